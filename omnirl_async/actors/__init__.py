@@ -1,0 +1,1 @@
+"""Rollout workers and the prompt dispatcher."""

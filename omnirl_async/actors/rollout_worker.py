@@ -1,0 +1,129 @@
+"""Rollout worker: generate groups with per-step behaviour log-probs and score them.
+
+A worker holds its own copy of the policy (base weights + LoRA). For each
+:class:`~omnirl_async.protocol.PromptLease` it generates ``n`` trajectories
+with the weights of one exact policy version, scores the images, and returns
+(or puts into the replay buffer) the samples tagged with that version. New
+weights are installed only between requests (:meth:`set_weights`), never in
+the middle of a trajectory.
+
+The class is plain Python; the trainer wraps it with ``ray.remote``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnirl_async.actors.prompt_dispatcher import sample_seeds
+from omnirl_async.learners.learner import build_policy, pick_device
+from omnirl_async.models.sampler import sample_with_logprob
+from omnirl_async.models.sde_window import SDEWindow
+from omnirl_async.protocol import PromptLease, SampleMeta, SampleStatus, SampleTags, new_uid
+from omnirl_async.rewards import RewardManager
+
+__all__ = ["RolloutWorker", "GeneratedBatch"]
+
+GeneratedBatch = tuple[list[SampleMeta], dict[str, np.ndarray], dict[str, float]]
+
+
+def _to_tensor_dict(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+
+
+class RolloutWorker:
+    def __init__(self, config, *, worker_index: int = 0, num_threads: int | None = None):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        self.config = config
+        self.worker_index = worker_index
+        aro = config.actor_rollout_ref
+        self.rollout_cfg, self.model_cfg = aro.rollout, aro.model
+        self.device = pick_device(config.trainer.device)
+        self.policy = build_policy(self.model_cfg, self.device)
+        self.policy.transformer.eval()
+        self.reward = RewardManager.from_config(config.reward)
+        algo = self.rollout_cfg.algo
+        steps = self.rollout_cfg.pipeline.num_inference_steps
+        self.window = SDEWindow(num_steps=steps, window_size=algo.sde_window_size,
+                                window_range=algo.sde_window_range, strategy=algo.sample_strategy,
+                                iters_per_group=algo.iters_per_group, seed=algo.sde_window_seed)
+        self.version = 0
+        self.idle_since = time.perf_counter()
+
+    # ------------------------------------------------------------------ lifecycle
+    def assert_healthy(self) -> dict[str, Any]:
+        return {"worker_index": self.worker_index, "version": self.version, "pid": os.getpid()}
+
+    def get_version(self) -> int:
+        return self.version
+
+    def set_weights(self, version: int, weights: dict[str, Any]) -> int:
+        """Install a published weight version (LoRA state, or full weights when lora_rank=0)."""
+        if version < self.version:
+            raise ValueError(f"weights version {version} is older than the installed {self.version}")
+        if version == self.version:
+            return self.version
+        weights = _to_tensor_dict(weights)
+        if self.model_cfg.lora_rank > 0:
+            self.policy.load_lora_state_dict(weights)
+        else:
+            self.policy.load_full_state_dict(weights)
+        self.version = version
+        return self.version
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, leases: list[PromptLease], *, iteration: int | None = None) -> GeneratedBatch:
+        """Generate and score every lease; returns (metas, fields, stats) for whole groups."""
+        if not leases:
+            return [], {}, {}
+        pcfg, acfg = self.rollout_cfg.pipeline, self.rollout_cfg.algo
+        version = self.version
+        it = leases[0].global_step if iteration is None else iteration
+        window = self.window.select(it)
+        metas: list[SampleMeta] = []
+        chunks: list[dict[str, np.ndarray]] = []
+        t_gen = t_reward = 0.0
+        for lease in leases:
+            t0 = time.perf_counter()
+            prompts = [lease.prompt] * lease.n
+            neg = [lease.negative_prompt or pcfg.negative_prompt] * lease.n if pcfg.true_cfg_scale > 1 else None
+            emb = self.policy.encode_prompt([lease.prompt], negative_prompts=neg[:1] if neg else None,
+                                            max_sequence_length=pcfg.max_sequence_length)
+            emb = emb.repeat_interleave(lease.n)
+            out = sample_with_logprob(
+                self.policy, emb, seeds=sample_seeds(lease), height=pcfg.height, width=pcfg.width,
+                num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
+                sde_type=acfg.sde_type, window=window, true_cfg_scale=pcfg.true_cfg_scale,
+                guidance_scale=pcfg.guidance_scale,
+                shared_noise_groups=[0] * lease.n if acfg.sde_type == "dance" else None)
+            t1 = time.perf_counter()
+            scored = self.reward(out.images, prompts)
+            t2 = time.perf_counter()
+            t_gen += t1 - t0
+            t_reward += t2 - t1
+            fields = out.to_fields()
+            fields.update({f"emb/{k}": v for k, v in emb.to_numpy().items()})
+            fields["rewards"] = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
+            for name, arr in scored.extra.items():
+                fields[f"extra/{name}"] = np.asarray(arr, dtype=np.float32)
+            chunks.append(fields)
+            seeds = sample_seeds(lease)
+            for k in range(lease.n):
+                failed = bool(scored.failed[k])
+                tags = SampleTags(uid=new_uid(), group_uid=lease.group_uid, sample_index=k, group_size=lease.n,
+                                  policy_version=version, global_step=lease.global_step, seed=seeds[k],
+                                  prompt=lease.prompt, epoch=lease.epoch)
+                metas.append(SampleMeta(key=tags.uid, tags=tags,
+                                        status=SampleStatus.FAILURE if failed else SampleStatus.SUCCESS,
+                                        reason=scored.reasons[k] if failed else None,
+                                        reward=None if failed else float(scored.scores[k]),
+                                        timings={"gen_s": (t1 - t0) / lease.n, "reward_s": (t2 - t1) / lease.n}))
+        fields = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
+        stats = {"timing_s/gen": t_gen, "timing_s/reward": t_reward, "rollout/version": float(version),
+                 "rollout/window_start": float(window[0]) if window else 0.0}
+        return metas, fields, stats

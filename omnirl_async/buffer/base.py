@@ -1,0 +1,187 @@
+"""The replay buffer contract shared by the in-process and the Ray buffer.
+
+Vocabulary (see also :mod:`omnirl_async.protocol`):
+
+* a **sample** is one trajectory: a :class:`SampleMeta` plus one row of every
+  tensor field;
+* a **group** is the ``group_size`` samples of one prompt. It is *complete*
+  when every member has been reported (success or failure). The buffer only
+  ever hands out complete groups, whole: GRPO normalises rewards within a
+  group, so half a group is worse than none;
+* a **table** holds the samples of one source (online rollouts, offline data)
+  and composes a sampler, a remover, a size bound, a rate limiter and a
+  staleness policy (:mod:`omnirl_async.buffer.table`).
+
+Two implementations share one core (:class:`omnirl_async.buffer.core.BufferCore`):
+:class:`~omnirl_async.buffer.local.LocalReplayBuffer` (no Ray; unit tests, sync
+runs) and :class:`~omnirl_async.buffer.transfer_queue.RayReplayBuffer` (a
+client that pickles to actor handles, usable from any Ray process).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+
+from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource
+
+__all__ = ["ReplayBuffer", "SampledBatch", "assemble_fields"]
+
+
+@dataclass
+class SampledBatch:
+    """What :meth:`ReplayBuffer.sample` returns.
+
+    ``metas[i]`` describes row ``i`` of every array in ``fields``; members of a
+    group are adjacent and in ``sample_index`` order. ``info`` holds per-sample
+    arrays computed at sampling time: ``staleness`` (learner version minus the
+    sample's policy version, 0 for offline data) and ``times_sampled``
+    (including this draw). Arrays may be read-only views of shared memory;
+    copy before writing in place.
+    """
+
+    metas: list[SampleMeta]
+    fields: dict[str, np.ndarray]
+    info: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.metas)
+
+    @property
+    def keys(self) -> list[str]:
+        return [m.key for m in self.metas]
+
+    def group_slices(self) -> list[tuple[str, slice]]:
+        """``(group_uid, slice)`` for every group in the batch, in order."""
+        out: list[tuple[str, slice]] = []
+        start = 0
+        for i in range(1, len(self.metas) + 1):
+            if i == len(self.metas) or self.metas[i].tags.group_uid != self.metas[start].tags.group_uid:
+                out.append((self.metas[start].tags.group_uid, slice(start, i)))
+                start = i
+        return out
+
+
+class ReplayBuffer(ABC):
+    """Version-aware, group-aware replay buffer.
+
+    Every blocking call takes ``timeout`` in seconds; ``None`` means the
+    configured default (``transfer_queue.put_timeout_s``). A timeout raises
+    ``TimeoutError`` that says what the call waited for.
+    """
+
+    @abstractmethod
+    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None) -> None:
+        """Insert a batch of samples (typically a whole group) with one call.
+
+        ``fields`` are batch-dimension-first arrays aligned with ``metas``.
+        ``metas[i].status`` must be SUCCESS or FAILURE (with ``reason``); a
+        SUCCESS sample needs a finite ``reward``; online samples need
+        ``tags.policy_version``. A batch that breaks any rule (schema, duplicate
+        key, bad group tags) raises ``ValueError`` naming the key and field and
+        stores nothing. Blocks while the buffer is full or the rate limiter
+        holds inserts back; never drops data to make room.
+        """
+
+    @abstractmethod
+    def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
+               source: SampleSource | str | None = None) -> SampledBatch:
+        """Return whole complete groups holding at least ``batch_size`` samples.
+
+        Exactly ``batch_size`` when groups are full and ``batch_size`` is a
+        multiple of the group size; otherwise the last group may overshoot.
+        ``source`` restricts sampling to one table; by default the batch mixes
+        the tables by ``buffer.offline_mix_ratio``. Stale groups (lag above
+        ``max_off_policy_threshold``) are never returned; they are evicted and
+        counted in ``buffer/dropped_stale``.
+        """
+
+    @abstractmethod
+    def size(self) -> int:
+        """Samples stored (successful members of complete and incomplete groups)."""
+
+    @abstractmethod
+    def num_ready_samples(self, learner_version: int | None = None) -> int:
+        """Samples in complete, non-stale groups (what a sample call could take now)."""
+
+    @abstractmethod
+    def ready_groups(self, learner_version: int | None = None) -> int:
+        """Number of complete, non-stale groups."""
+
+    @abstractmethod
+    def take_refill_requests(self) -> list[RefillRequest]:
+        """Groups evicted for a failed member that should be generated again (clears the list)."""
+
+    @abstractmethod
+    def update_priorities(self, group_uids: Sequence[str], priorities: Sequence[float]) -> None:
+        """Set the priority of groups (prioritized sampler; ignored by the others)."""
+
+    @abstractmethod
+    def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
+        """Read samples by key without sampling them (no counters change). ``KeyError`` if absent."""
+
+    @abstractmethod
+    def list_keys(self, *, partition: str | None = None, source: SampleSource | str | None = None,
+                  **tag_filter: Any) -> list[str]:
+        """Keys of stored samples whose partition/source/tags equal the given values."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Remove every sample (counters are kept)."""
+
+    @abstractmethod
+    def metrics(self) -> dict[str, float]:
+        """``buffer/size``, ``buffer/insert_rate``, ``buffer/sample_rate``, ``buffer/dropped_stale``,
+        ``buffer/dropped_failed``, ``buffer/staleness/lag_<k>`` (histogram of sampled lags) and more."""
+
+    @abstractmethod
+    def snapshot(self, path: str) -> None:
+        """Write the whole buffer to directory ``path`` atomically (msgpack + safetensors, no pickle)."""
+
+    @abstractmethod
+    def restore(self, path: str) -> None:
+        """Replace the buffer's contents with a snapshot written by :meth:`snapshot`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release resources (Ray actors). The buffer is unusable afterwards."""
+
+    def __enter__(self) -> "ReplayBuffer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def assemble_fields(parts: Sequence[tuple[dict[str, np.ndarray], Sequence[int]]],
+                    names: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+    """Stack rows taken from several stored payloads into one batch.
+
+    ``parts`` is a list of ``(payload, rows)``. A single payload read whole is
+    returned without a copy; otherwise one copy per field.
+    """
+    if not parts:
+        return {}
+    if names is None:
+        names = list(parts[0][0].keys())
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        chunks = []
+        for payload, rows in parts:
+            arr = payload[name]
+            n = len(rows)
+            if n == arr.shape[0] and (n == 0 or (rows[0] == 0 and rows[-1] == n - 1 and _contiguous(rows))):
+                chunks.append(arr)
+            elif n and _contiguous(rows):
+                chunks.append(arr[rows[0]:rows[-1] + 1])
+            else:
+                chunks.append(arr[np.asarray(rows, dtype=np.int64)])
+        out[name] = chunks[0] if len(chunks) == 1 else np.concatenate(chunks, axis=0)
+    return out
+
+
+def _contiguous(rows: Sequence[int]) -> bool:
+    return all(rows[i + 1] == rows[i] + 1 for i in range(len(rows) - 1))

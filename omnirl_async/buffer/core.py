@@ -1,0 +1,309 @@
+"""The buffer core: tables per source, one lock, blocking with timeouts.
+
+Shared by :class:`~omnirl_async.buffer.local.LocalReplayBuffer` (payload =
+dict of arrays) and the Ray transfer-queue controller (payload = ``ObjectRef``
+owned by a storage unit). The core never touches tensor bytes, so the same
+code enforces the same semantics in both.
+
+Capacity, in order of checks on a put:
+
+1. ``buffer.max_size`` – samples per table;
+2. ``transfer_queue.total_storage_size`` – samples in all tables, or, when it
+   is null, ``transfer_queue.memory_budget_bytes`` – bytes in all tables.
+
+When a put does not fit, groups the remover marks evictable (already sampled,
+kept for reuse) are evicted oldest first; if that is not enough, the producer
+waits – data never sampled is never dropped to make room.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Sequence
+
+import numpy as np
+
+from omnirl_async.buffer.metrics import BufferMetrics
+from omnirl_async.buffer.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
+from omnirl_async.buffer.removers import MaxTimesSampled, make_remover
+from omnirl_async.buffer.samplers import make_sampler
+from omnirl_async.buffer.schema import FieldSpec
+from omnirl_async.buffer.staleness import StalenessPolicy
+from omnirl_async.buffer.table import Item, Table
+from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
+
+__all__ = ["BufferCore", "cfg_get"]
+
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def cfg_get(cfg: Any, name: str, default: Any) -> Any:
+    """Read ``cfg.name`` from a dataclass, namespace or mapping; ``default`` when absent."""
+    if cfg is None:
+        return default
+    if isinstance(cfg, dict):
+        return cfg.get(name, default)
+    return getattr(cfg, name, default)
+
+
+class BufferCore:
+    def __init__(self, buffer_cfg: Any = None, sampler_cfg: Any = None, tq_cfg: Any = None, *,
+                 seed: int | None = None) -> None:
+        b, s, q = buffer_cfg, sampler_cfg, tq_cfg
+        self.max_times = MaxTimesSampled(cfg_get(b, "max_times_sampled", 1))
+        max_size = cfg_get(b, "max_size", 4096)
+        if not (isinstance(max_size, int) and max_size > 0):
+            raise ValueError(f"`buffer.max_size` = {max_size!r}: must be an integer > 0")
+        self.limiter = self._make_limiter(b, max_size)
+        self.staleness = StalenessPolicy(cfg_get(s, "max_off_policy_threshold", 1),
+                                         cfg_get(s, "max_off_policy_strategy", "wait"))
+        ratio = float(cfg_get(b, "offline_mix_ratio", 0.0))
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"`buffer.offline_mix_ratio` = {ratio!r}: must be in [0, 1]")
+        self.offline_mix_ratio = ratio
+        self.total_storage_size = cfg_get(q, "total_storage_size", None)
+        self.memory_budget_bytes = int(cfg_get(q, "memory_budget_bytes", 2 * 1024**3))
+        self.default_timeout = float(cfg_get(q, "put_timeout_s", DEFAULT_TIMEOUT_S))
+        self.metrics = BufferMetrics()
+        custom = cfg_get(s, "custom_sampler", None)
+        sampler_name = cfg_get(b, "sampler", "fifo")
+        defaults = {"prioritized": {"exponent": cfg_get(b, "priority_exponent", 0.6)},
+                    "freshness": {"decay": cfg_get(b, "freshness_decay", 0.5)}}.get(sampler_name, {})
+        remover_name = cfg_get(b, "remover", "fifo")
+        self.tables: dict[str, Table] = {}
+        for src in SampleSource:
+            sampler = make_sampler(sampler_name, custom_path=cfg_get(custom, "path", None),
+                                   custom_name=cfg_get(custom, "name", None), defaults=defaults,
+                                   kwargs=cfg_get(s, "sampler_kwargs", None))
+            self.tables[src.value] = Table(
+                src, sampler=sampler, remover=make_remover(remover_name), max_times=self.max_times,
+                max_size=max_size, staleness=self.staleness, limiter=self.limiter, metrics=self.metrics,
+                drop_incomplete_groups=bool(cfg_get(s, "drop_incomplete_groups", False)),
+                max_refill_rounds=int(cfg_get(s, "max_incomplete_group_refill_rounds", 3)))
+        self.rng = np.random.default_rng(seed)
+        self.cond = threading.Condition()
+        self.learner_version: int | None = None
+
+    def _make_limiter(self, b: Any, max_size: int) -> RateLimiter:
+        min_size = cfg_get(b, "min_size_to_sample", None) or 0
+        if min_size > max_size:
+            raise ValueError(f"`buffer.min_size_to_sample` = {min_size} must deadlock: it exceeds "
+                             f"`buffer.max_size` = {max_size}")
+        spi = cfg_get(b, "samples_per_insert", None)
+        if spi is None:
+            return MinSize(min_size)
+        if spi > self.max_times.max_times_sampled:
+            raise ValueError(f"`buffer.samples_per_insert` = {spi} must deadlock: each sample can be drawn "
+                             f"at most `buffer.max_times_sampled` = {self.max_times.max_times_sampled} times; "
+                             "raise max_times_sampled or lower samples_per_insert")
+        return SampleToInsertRatio(spi, min_size, cfg_get(b, "samples_per_insert_error_buffer", None))
+
+    # ------------------------------------------------------------------ helpers
+    def _deadline(self, timeout: float | None) -> float:
+        t = self.default_timeout if timeout is None else float(timeout)
+        return time.monotonic() + max(0.0, t)
+
+    def _exists(self, key: str) -> bool:
+        return any(key in t.items for t in self.tables.values())
+
+    @property
+    def size(self) -> int:
+        return sum(t.size for t in self.tables.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tables.values())
+
+    def _global_fits(self, n: int, nbytes: int) -> bool:
+        if self.total_storage_size is not None:
+            return self.size + n <= self.total_storage_size
+        return self.nbytes + nbytes <= self.memory_budget_bytes
+
+    def _make_room(self, table: Table, n: int, nbytes: int) -> bool:
+        while table.size + n > table.max_size:
+            if not table.evict_one():
+                return False
+        while not self._global_fits(n, nbytes):
+            if not any(t.evict_one() for t in self.tables.values()):
+                return False
+        return True
+
+    def _capacity_text(self, table: Table) -> str:
+        bound = (f"total_storage_size {self.size}/{self.total_storage_size} samples"
+                 if self.total_storage_size is not None
+                 else f"memory {self.nbytes}/{self.memory_budget_bytes} bytes")
+        return f"{table.name} table {table.size}/{table.max_size} samples (`buffer.max_size`), {bound}"
+
+    # ---------------------------------------------------------------------- put
+    def put(self, metas: Sequence[SampleMeta], payload: Any, spec: dict[str, FieldSpec], row_nbytes: int, *,
+            timeout: float | None = None) -> int:
+        metas = list(metas)
+        if not metas:
+            return 0
+        for m in metas:
+            if not isinstance(m, SampleMeta):
+                raise ValueError(f"put rejected: `metas` must hold SampleMeta, got {type(m).__name__}")
+        sources = {m.tags.source for m in metas}
+        if len(sources) > 1:
+            raise ValueError(f"put rejected (first key `{metas[0].key}`): one put holds samples of one source, "
+                             f"got {sorted(s.value for s in sources)}")
+        table = self.tables[SampleSource(sources.pop()).value]
+        n = sum(1 for m in metas if m.status is SampleStatus.SUCCESS)
+        nbytes = n * row_nbytes
+        deadline = self._deadline(timeout)
+        with self.cond:
+            if n > table.max_size or (self.total_storage_size is not None and n > self.total_storage_size) or (
+                    self.total_storage_size is None and nbytes > self.memory_budget_bytes):
+                raise ValueError(f"put rejected (first key `{metas[0].key}`): {n} samples / {nbytes} bytes can "
+                                 f"never fit: {self._capacity_text(table)}; put smaller batches or raise the bound")
+            if self.limiter.observe(insert_size=n):
+                self.cond.notify_all()
+            while True:
+                table.validate(metas, spec, self._exists)  # again after every wait: keys may have arrived
+                if n == 0 or (self._make_room(table, n, nbytes) and self.limiter.can_insert(n)):
+                    table.insert(metas, payload, row_nbytes, self.learner_version)
+                    self.limiter.on_insert(n)
+                    self.metrics.on_insert(n)
+                    self.cond.notify_all()
+                    return n
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(
+                        f"put of {n} samples (first key `{metas[0].key}`) timed out waiting for room: "
+                        f"{self._capacity_text(table)}; rate limiter {self.limiter.describe()}. The learner "
+                        "is not consuming: check it is alive, or raise `transfer_queue.put_timeout_s`")
+                self.cond.wait(remaining)
+
+    # ------------------------------------------------------------------- sample
+    def _plan(self, batch_size: int, source: SampleSource | str | None) -> list[tuple[Table, int]]:
+        if source is not None:
+            return [(self.tables[SampleSource(source).value], batch_size)]
+        n_off = int(round(batch_size * self.offline_mix_ratio))
+        plan = [(self.tables["online"], batch_size - n_off), (self.tables["offline"], n_off)]
+        return [(t, m) for t, m in plan if m > 0]
+
+    def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
+               source: SampleSource | str | None = None):
+        if not (isinstance(batch_size, (int, np.integer)) and batch_size > 0):
+            raise ValueError(f"`batch_size` = {batch_size!r}: must be an integer > 0")
+        if not isinstance(learner_version, (int, np.integer)):
+            raise ValueError(f"`learner_version` = {learner_version!r}: must be an integer")
+        batch_size, learner_version = int(batch_size), int(learner_version)
+        plan = self._plan(batch_size, source)
+        deadline = self._deadline(timeout)
+        with self.cond:
+            if self.limiter.observe(sample_size=batch_size):
+                self.cond.notify_all()
+            self.learner_version = max(learner_version, self.learner_version or learner_version)
+            while True:
+                dropped = sum(t.evict_stale(learner_version) for t in self.tables.values())
+                if dropped:
+                    self.cond.notify_all()
+                if all(t.ready_samples >= m for t, m in plan) and self.limiter.can_sample(batch_size,
+                                                                                          size=self.size):
+                    return self._take(plan, learner_version)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    need = ", ".join(f"{m} from {t.name}" for t, m in plan)
+                    have = "; ".join(t.describe(learner_version) for t, _ in plan)
+                    raise TimeoutError(
+                        f"sample(batch_size={batch_size}, learner_version={learner_version}) timed out: need "
+                        f"{need}; have {have}; {self.metrics.counters['dropped_stale']} samples dropped stale "
+                        f"so far (max_off_policy_threshold={self.staleness.threshold}); rate limiter "
+                        f"{self.limiter.describe()}")
+                self.cond.wait(remaining)
+
+    def _take(self, plan: list[tuple[Table, int]], learner_version: int):
+        metas: list[SampleMeta] = []
+        parts: list[tuple[Any, list[int]]] = []
+        lags: list[int] = []
+        for t, m in plan:
+            for g, items in t.sample(m, learner_version, self.rng):
+                for it in items:
+                    metas.append(it.meta)
+                    lags.append(self.staleness.lag(it.meta.tags.policy_version, learner_version))
+                    _append_part(parts, it)
+        self.limiter.on_sample(len(metas))
+        self.metrics.on_sample(lags)
+        self.cond.notify_all()
+        info = {"staleness": np.asarray(lags, dtype=np.int64),
+                "times_sampled": np.asarray([m.times_sampled for m in metas], dtype=np.int64)}
+        return metas, parts, info
+
+    # -------------------------------------------------------------------- query
+    def ready(self, learner_version: int | None) -> tuple[int, int]:
+        lv = self.learner_version if learner_version is None else learner_version
+        with self.cond:
+            pairs = [t.ready_groups(lv) for t in self.tables.values()]
+        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+    def take_refill_requests(self) -> list[RefillRequest]:
+        with self.cond:
+            out = [r for t in self.tables.values() for r in t.refills]
+            for t in self.tables.values():
+                t.refills.clear()
+            return out
+
+    def update_priorities(self, group_uids: Sequence[str], priorities: Sequence[float]) -> None:
+        if len(group_uids) != len(priorities):
+            raise ValueError(f"`priorities` has {len(priorities)} entries for {len(group_uids)} group uids")
+        with self.cond:
+            for gid, p in zip(group_uids, priorities):
+                for t in self.tables.values():
+                    t.update_priority(gid, float(p))
+
+    def get(self, keys: Sequence[str]):
+        with self.cond:
+            metas, parts = [], []
+            for k in keys:
+                it = next((t.items[k] for t in self.tables.values() if k in t.items), None)
+                if it is None:
+                    raise KeyError(f"`keys`: sample `{k}` is not in the buffer (never put, sampled out, or evicted)")
+                metas.append(it.meta)
+                _append_part(parts, it)
+            return metas, parts
+
+    def list_keys(self, partition: str | None, source: Any, tag_filter: dict[str, Any]) -> list[str]:
+        from omnirl_async.protocol import SampleTags
+        unknown = sorted(set(tag_filter) - set(SampleTags.__struct_fields__))
+        if unknown:
+            raise ValueError(f"`{unknown[0]}` is not a sample tag; filter on one of {list(SampleTags.__struct_fields__)}")
+        with self.cond:
+            tables = self.tables.values() if source is None else [self.tables[SampleSource(source).value]]
+            return [k for t in tables for k in t.list_keys(partition, tag_filter)]
+
+    def clear(self) -> None:
+        with self.cond:
+            for t in self.tables.values():
+                t.clear()
+            self.cond.notify_all()
+
+    def metrics_dict(self) -> dict[str, float]:
+        with self.cond:
+            groups, ready = 0, 0
+            for t in self.tables.values():
+                g, r = t.ready_groups(self.learner_version)
+                groups, ready = groups + g, ready + r
+            incomplete = sum(1 for t in self.tables.values() for g in t.groups.values() if g.reported < g.size)
+            return self.metrics.snapshot(
+                size=self.size, ready_samples=ready, ready_groups=groups, incomplete_groups=incomplete,
+                bytes=self.nbytes, online_size=self.tables["online"].size,
+                offline_size=self.tables["offline"].size,
+                learner_version=-1 if self.learner_version is None else self.learner_version)
+
+    def payloads(self) -> list[Any]:
+        """Every distinct payload held (identity), e.g. to release them."""
+        with self.cond:
+            seen: dict[int, Any] = {}
+            for t in self.tables.values():
+                for it in t.items.values():
+                    seen.setdefault(id(it.payload), it.payload)
+            return list(seen.values())
+
+
+def _append_part(parts: list[tuple[Any, list[int]]], it: Item) -> None:
+    if parts and parts[-1][0] is it.payload:
+        parts[-1][1].append(it.row)
+    else:
+        parts.append((it.payload, [it.row]))

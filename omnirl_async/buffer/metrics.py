@@ -1,0 +1,98 @@
+"""Buffer metrics: counters, windowed rates and a histogram of sampled staleness.
+
+Names (logged as is by the trainer):
+
+* ``buffer/size`` – samples stored; ``buffer/ready_samples``; ``buffer/bytes``
+* ``buffer/insert_rate``, ``buffer/sample_rate`` – samples/s over the last
+  ``window_s`` seconds
+* ``buffer/inserted``, ``buffer/sampled`` – totals
+* ``buffer/dropped_stale``, ``buffer/dropped_failed``,
+  ``buffer/dropped_incomplete_groups``, ``buffer/evicted`` – totals
+* ``buffer/staleness/lag_<k>`` – how many sampled samples had lag ``k``
+  (``lag_<K>+`` for the last bin); ``buffer/staleness/mean``, ``/max``
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+__all__ = ["BufferMetrics"]
+
+
+class _Rate:
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self.events: deque[tuple[float, int]] = deque()
+        self.total = 0
+        self.started = time.monotonic()
+
+    def add(self, n: int, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        self.events.append((now, n))
+        self.total += n
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self.events and self.events[0][0] < now - self.window_s:
+            self.events.popleft()
+
+    def rate(self) -> float:
+        now = time.monotonic()
+        self._prune(now)
+        span = min(self.window_s, max(now - self.started, 1e-3))
+        return sum(n for _, n in self.events) / span
+
+
+class BufferMetrics:
+    """Not thread-safe on its own: the buffer core calls it under its lock."""
+
+    def __init__(self, window_s: float = 30.0, max_lag_bin: int = 8) -> None:
+        self.inserts = _Rate(window_s)
+        self.samples = _Rate(window_s)
+        self.max_lag_bin = max_lag_bin
+        self.counters = {"dropped_stale": 0, "dropped_failed": 0, "dropped_incomplete_groups": 0,
+                         "evicted": 0, "refill_requests": 0}
+        self.lag_hist = [0] * (max_lag_bin + 1)
+        self.lag_sum = 0
+        self.lag_max = 0
+
+    def count(self, name: str, n: int = 1) -> None:
+        self.counters[name] += n
+
+    def on_insert(self, n: int) -> None:
+        self.inserts.add(n)
+
+    def on_sample(self, lags) -> None:
+        self.samples.add(len(lags))
+        for lag in lags:
+            lag = max(0, int(lag))
+            self.lag_hist[min(lag, self.max_lag_bin)] += 1
+            self.lag_sum += lag
+            self.lag_max = max(self.lag_max, lag)
+
+    def snapshot(self, **gauges: float) -> dict[str, float]:
+        out = {f"buffer/{k}": float(v) for k, v in gauges.items()}
+        out["buffer/insert_rate"] = self.inserts.rate()
+        out["buffer/sample_rate"] = self.samples.rate()
+        out["buffer/inserted"] = float(self.inserts.total)
+        out["buffer/sampled"] = float(self.samples.total)
+        out.update({f"buffer/{k}": float(v) for k, v in self.counters.items()})
+        for k, c in enumerate(self.lag_hist):
+            name = f"lag_{k}+" if k == self.max_lag_bin else f"lag_{k}"
+            out[f"buffer/staleness/{name}"] = float(c)
+        n = self.samples.total
+        out["buffer/staleness/mean"] = self.lag_sum / n if n else 0.0
+        out["buffer/staleness/max"] = float(self.lag_max)
+        return out
+
+    def state_dict(self) -> dict:
+        return {"counters": dict(self.counters), "lag_hist": list(self.lag_hist), "lag_sum": self.lag_sum,
+                "lag_max": self.lag_max, "inserted": self.inserts.total, "sampled": self.samples.total}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.counters.update({k: int(v) for k, v in s["counters"].items()})
+        hist = [int(x) for x in s["lag_hist"]]
+        self.lag_hist = (hist + [0] * len(self.lag_hist))[:len(self.lag_hist)]
+        self.lag_sum, self.lag_max = int(s["lag_sum"]), int(s["lag_max"])
+        self.inserts.total, self.samples.total = int(s["inserted"]), int(s["sampled"])

@@ -1,0 +1,68 @@
+"""`actor_rollout_ref.actor.*`: the learner's loss, optimizer and mini-batching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["DiffusionLossConfig", "OptimConfig", "DiffusionActorConfig"]
+
+
+def _losses():
+    from omnirl_async.algos.losses import registered_losses
+
+    return registered_losses()
+
+
+@dataclass
+class DiffusionLossConfig:
+    loss_mode: str = opt("${oc.select:actor_rollout_ref.model.algorithm,flow_grpo}",
+                         "Loss registry key; defaults to actor_rollout_ref.model.algorithm.", choices=_losses)
+    clip_ratio: float = opt(1e-4, "PPO clip epsilon on the per-step ratio (FlowGRPO uses a tiny one; "
+                            "cps log-probs are unscaled, so their sensible range is ~1e-5).", gt=0)
+    adv_clip_max: float = opt(5.0, "Advantages are clipped to +-adv_clip_max before the loss.", gt=0)
+    mix_beta: float = opt(0.5, "DiffusionNFT mixing beta.", gt=0)
+    ref_kl_coef: float = opt(0.0, "DiffusionNFT reference MSE coefficient.", ge=0)
+    adaptive_weight_min: float = opt(1e-5, "DiffusionNFT adaptive-weight floor.", gt=0)
+    dpo_beta: float = opt(2000.0, "Diffusion-DPO inverse temperature.", gt=0)
+    kl_mask_threshold: float = opt(1e-5, "Flow-DPPO drift threshold tau.", gt=0)
+    add_kl_coefficient: bool = opt(True, "Flow-DPPO: normalise the mean drift by the SDE noise scale.")
+
+
+@dataclass
+class OptimConfig:
+    optimizer: str = opt("adamw", "Optimizer.", choices=("adamw", "adam", "sgd"))
+    lr: float = opt(3e-4, "Learning rate.", gt=0)
+    weight_decay: float = opt(1e-4, "Decoupled weight decay.", ge=0)
+    betas: Any = opt(None, "Adam betas [b1, b2]; null = [0.9, 0.999].")
+    eps: float = opt(1e-8, "Adam epsilon.", gt=0)
+    lr_warmup_steps: int = opt(0, "Linear warm-up steps.", ge=0)
+    lr_scheduler_type: str = opt("constant", "constant or cosine after warm-up.", choices=("constant", "cosine"))
+    total_training_steps: Any = opt(None, "Horizon of the cosine schedule; null = trainer.total_training_steps.", gt=0)
+
+
+@dataclass
+class DiffusionActorConfig:
+    strategy: str = opt("ddp", "Training engine. ddp = torch DDP over trainable params (gloo on CPU, nccl on GPU).",
+                        choices=("ddp", "fsdp", "fsdp2", "veomni"),
+                        not_built={"fsdp": "FSDP sharding is not built; use ddp (LoRA params are small)",
+                                   "fsdp2": "FSDP2 sharding is not built; use ddp",
+                                   "veomni": "the VeOmni engine is not built; use ddp"})
+    diffusion_loss: DiffusionLossConfig = field(default_factory=DiffusionLossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = opt(8, "Prompts per optimizer step (x rollout.n samples), as in verl.", gt=0)
+    ppo_micro_batch_size_per_gpu: Any = opt(None, "Samples per forward/backward; null = whole mini-batch.", gt=0)
+    ppo_epochs: int = opt(1, "Passes over each training batch.", gt=0)
+    shuffle: bool = opt(True, "Shuffle samples across mini-batches each epoch.")
+    grad_clip: float = opt(1.0, "Max gradient norm; <= 0 disables.")
+    loss_scale_factor: Any = opt(None, "Global scale on the diffusion loss; null disables.", gt=0)
+    use_kl_loss: bool = opt(False, "Add a KL penalty to the reference policy (adapter disabled).")
+    kl_loss_coef: float = opt(0.001, "KL penalty coefficient.", ge=0)
+    use_distill_loss: bool = opt(False, "Teacher-anchored distillation.",
+                                 not_built={True: "distillation losses are not built yet"})
+    distill_loss_mode: str = opt("distill_kl", "distill_kl or distill_fm_mse.", choices=("distill_kl", "distill_fm_mse"))
+    distill_loss_coef: float = opt(1.0, "Distillation coefficient.", ge=0)
+    rollout_correction: Any = opt("${algorithm.rollout_correction}",
+                                  "Per-actor mirror of algorithm.rollout_correction (read-only copy).")

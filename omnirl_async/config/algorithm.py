@@ -1,0 +1,64 @@
+"""`algorithm.*`: how advantages are formed and how off-policy data is corrected."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["RolloutCorrectionConfig", "DiffusionAlgoConfig"]
+
+_NOT_BUILT_DP = "direct-preference training (DPO, DiffusionNFT, AWM) is not built yet"
+
+
+def _adv_estimators():
+    from omnirl_async.algos.advantage import registered_adv_estimators
+
+    return registered_adv_estimators()
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """Importance sampling / rejection sampling between behaviour and proximal policies.
+
+    The schema mirrors upstream verl's ``RolloutCorrectionConfig``. Behaviour
+    log-probs come from the rollout worker; proximal ("old") log-probs are
+    recomputed by the learner before the update unless ``bypass_mode``.
+    """
+
+    rollout_is: Any = opt(None, "IS aggregation level: null (off), token (per SDE step) or sequence (product over steps).",
+                          choices=(None, "token", "sequence"))
+    rollout_is_threshold: Any = opt(2.0, "A float truncates IS weights at that value (TIS); "
+                                    "a string 'lo_hi' such as '0.5_2.0' zeroes weights outside [lo, hi] (masked IS).")
+    rollout_is_batch_normalize: bool = opt(False, "Divide IS weights by their batch mean after truncation.")
+    rollout_rs: Any = opt(None, "Rejection-sampling criteria, comma list: token_k1, token_k2, token_k3, seq_sum_k1, "
+                          "seq_sum_k2, seq_sum_k3, seq_mean_k1, seq_mean_k2, seq_mean_k3, seq_max_k2, seq_max_k3.")
+    rollout_rs_threshold: Any = opt(None, "Threshold(s) for rollout_rs: one value for all criteria, or a comma list "
+                                    "aligned with them; k1 with a single value u keeps [1/u, u], 'lo_hi' gives both bounds.")
+    bypass_mode: bool = opt(False, "Skip the proximal recompute: old := behaviour. The PPO ratio then carries the IS term.")
+
+
+@dataclass
+class DiffusionAlgoConfig:
+    trainer_type: str = opt("policy_gradient", "policy_gradient (FlowGRPO family) or direct_preference.",
+                            choices=("policy_gradient", "direct_preference"),
+                            not_built={"direct_preference": _NOT_BUILT_DP})
+    sample_source: str = opt("online", "online (rollout + reward) or offline (precomputed batches).",
+                             choices=("online", "offline"),
+                             not_built={"offline": "offline sample_source (actor-only training on precomputed data) is not built yet"})
+    adv_estimator: str = opt("${oc.select:actor_rollout_ref.model.algorithm,flow_grpo}",
+                             "Advantage estimator registry key; defaults to actor_rollout_ref.model.algorithm.",
+                             choices=_adv_estimators)
+    norm_adv_by_std_in_grpo: bool = opt(True, "Divide group-centred rewards by the std (GRPO); false = mean-centring only.")
+    global_std: bool = opt(True, "Use the std over the whole batch instead of within each group.")
+    old_policy_decay_schedule: str = opt("copy", "DiffusionNFT old-policy EMA schedule.",
+                                         choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999"))
+    old_policy_decay: Any = opt(None, "Fixed old-policy EMA decay in [0, 1]; overrides the schedule.", ge=0.0, le=1.0)
+    old_policy_update_interval: int = opt(1, "DiffusionNFT optimizer steps between old-policy refreshes.", gt=0)
+    timestep_fraction: float = opt(1.0, "Fraction of the trained SDE steps used per sample, in (0, 1].", gt=0.0, le=1.0)
+    adv_mode: str = opt("continuous", "Advantage mapping.",
+                        choices=("continuous", "positive_only", "negative_only", "one_only", "binary"))
+    paired_preference: bool = opt(False, "Pair-based algorithms (offline DPO).",
+                                  not_built={True: "paired preference data is not built yet"})
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

@@ -1,0 +1,40 @@
+"""`buffer.*` and `transfer_queue.*`: where samples wait between rollout and learner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["BufferConfig", "TransferQueueConfig"]
+
+
+@dataclass
+class BufferConfig:
+    sampler: str = opt("fifo", "Which samples a learner batch takes: fifo, uniform, prioritized, freshness.",
+                       choices=("fifo", "uniform", "prioritized", "freshness"))
+    remover: str = opt("fifo", "Which samples leave a full table first.", choices=("fifo",))
+    max_size: int = opt(4096, "Max samples per table.", gt=0)
+    max_times_sampled: int = opt(1, "A sample leaves the table after this many uses.", gt=0)
+    min_size_to_sample: Any = opt(None, "Samples needed before sampling; null = one learner batch.", gt=0)
+    samples_per_insert: Any = opt(None, "Rate limiter: target samples drawn per sample inserted; null = off.", gt=0)
+    samples_per_insert_error_buffer: Any = opt(None, "Slack of the rate limiter in samples; null = one batch.", gt=0)
+    priority_exponent: float = opt(0.6, "Exponent of the prioritized sampler.", ge=0)
+    freshness_decay: float = opt(0.5, "Per-version-lag priority decay of the freshness sampler.", gt=0, le=1)
+    offline_mix_ratio: float = opt(0.0, "Fraction of each learner batch from the offline table.", ge=0, le=1,
+                                   not_built=None)
+    snapshot_with_checkpoint: bool = opt(True, "Save the buffer with every checkpoint.")
+
+    def validate(self, path: str) -> None:
+        if self.offline_mix_ratio > 0:
+            raise ValueError(f"`{path}.offline_mix_ratio` = {self.offline_mix_ratio}: mixing offline data "
+                             "is not built yet; use 0.0.")
+
+
+@dataclass
+class TransferQueueConfig:
+    num_data_storage_units: int = opt(2, "Storage shards (Ray actors) holding tensor fields.", gt=0)
+    total_storage_size: Any = opt(None, "Capacity in samples; null = bounded by memory_budget_bytes.", gt=0)
+    memory_budget_bytes: int = opt(2 * 1024**3, "Capacity in bytes when total_storage_size is null.", gt=0)
+    put_timeout_s: float = opt(600.0, "How long a producer blocks on a full queue before failing.", gt=0)

@@ -1,0 +1,75 @@
+"""`data.*` and `reward.*`: where prompts come from and how samples are scored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["DataConfig", "CustomRewardFunctionConfig", "RewardConfig"]
+
+
+def _rewards():
+    from omnirl_async.rewards import registered_rewards
+
+    return registered_rewards()
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = opt(None, "Prompt file(s) (JSONL with a `prompt` field, or .txt one prompt per line); "
+                           "null = the embedded shapes prompts.")
+    val_files: Any = opt(None, "Validation prompt file(s); null = the embedded held-out shapes prompts.")
+    prompt_key: str = opt("prompt", "Field holding the prompt text in JSONL rows.")
+    train_batch_size: int = opt(8, "Prompts per training step (each yields rollout.n samples).", gt=0)
+    val_batch_size: Any = opt(None, "Validation prompts per batch; null = all.", gt=0)
+    val_max_samples: Any = opt(64, "Cap on validation prompts; null = all.", gt=0)
+    shuffle: bool = opt(True, "Shuffle prompts each epoch.")
+    seed: int = opt(1, "Seed of the prompt order.")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Any = opt(None, "Python file defining the reward function.")
+    name: Any = opt(None, "Function name in that file.")
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = opt(0, "Reward worker actors; 0 = score inline in the rollout worker.", ge=0,
+                           not_built=None)
+    reward_fn_name: str = opt("tiny_geneval", "Built-in reward used when neither custom_reward_function "
+                              "nor reward_functions is set.", choices=_rewards)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    reward_functions: Any = opt(None, "{name: {path, name, weight, kwargs}}; path null = built-in registry name.")
+    aggregation: str = opt("weighted_sum", "How reward_functions combine.", choices=("weighted_sum",))
+    reward_kwargs: dict = opt(factory=dict, help="Extra keyword arguments passed to the reward function.")
+    reward_manager: Any = opt(None, "Accepted for compatibility; the built-in manager is always used.")
+
+    def validate(self, path: str) -> None:
+        crf = self.custom_reward_function
+        if (crf.path is None) != (crf.name is None):
+            raise ValueError(f"`{path}.custom_reward_function` needs both path and name "
+                             f"(got path={crf.path!r}, name={crf.name!r}).")
+        if crf.path is not None and self.reward_functions:
+            raise ValueError(f"`{path}.custom_reward_function` and `{path}.reward_functions` are mutually "
+                             "exclusive; set one of them.")
+        if self.reward_functions is not None:
+            if not isinstance(self.reward_functions, dict) or not self.reward_functions:
+                raise ValueError(f"`{path}.reward_functions` = {self.reward_functions!r}: expected a non-empty "
+                                 "mapping {name: {path, name, weight}}.")
+            allowed = {"path", "name", "weight", "kwargs"}
+            for key, spec in self.reward_functions.items():
+                if not isinstance(spec, dict):
+                    raise ValueError(f"`{path}.reward_functions.{key}` = {spec!r}: expected a mapping.")
+                extra = set(spec) - allowed
+                if extra:
+                    raise ValueError(f"`{path}.reward_functions.{key}` has unknown keys {sorted(extra)}; "
+                                     f"allowed: {sorted(allowed)}.")
+                weight = spec.get("weight", 1.0)
+                if not isinstance(weight, (int, float)):
+                    raise ValueError(f"`{path}.reward_functions.{key}.weight` = {weight!r}: expected a number.")
+        if self.num_workers > 0:
+            raise ValueError(f"`{path}.num_workers` = {self.num_workers}: a reward worker pool is not built "
+                             "yet; use 0 (score inline in each rollout worker).")

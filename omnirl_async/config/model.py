@@ -1,0 +1,62 @@
+"""`actor_rollout_ref.model.*`: which diffusion pipeline to load and how LoRA wraps it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["DiffusionModelConfig", "DEFAULT_MODEL_PATH"]
+
+#: ``embedded:<name>`` resolves to a model shipped with (or built by) the package,
+#: see :func:`omnirl_async.models.resolve_model_path`.
+DEFAULT_MODEL_PATH = "embedded:tiny-sd3"
+
+_ALGORITHMS = ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard", "flow_dppo",
+               "diffusion_nft", "dpo", "awm")
+
+
+@dataclass
+class DiffusionModelConfig:
+    model_type: str = opt("diffusion_model", "Dispatch key; this trainer needs diffusion_model.",
+                          choices=("diffusion_model",))
+    path: str = opt(DEFAULT_MODEL_PATH, "Local diffusers pipeline folder (model_index.json inside), "
+                    "or embedded:tiny-sd3 / embedded:tiny-flux for the models the project builds.")
+    algorithm: str = opt("flow_grpo", "RL algorithm; drives the default loss_mode and adv_estimator.",
+                         choices=_ALGORITHMS,
+                         not_built={"diffusion_nft": "DiffusionNFT is not built yet",
+                                    "dpo": "Diffusion-DPO is not built yet",
+                                    "awm": "AWM is not built yet"})
+    tokenizer_path: Any = opt(None, "Tokenizer folder if not inside path (falls back to <path>/tokenizer).",
+                              not_built=None)
+    config_path: Any = opt(None, "Transformer config folder; null = <path>/<transformer_subfolder>.")
+    transformer_subfolder: str = opt("transformer", "Subfolder holding the diffusion transformer.")
+    attn_backend: str = opt("native", "Diffusers attention backend.",
+                            choices=("native", "_native_npu", "_flash_3_varlen_hub"),
+                            not_built={"_native_npu": "NPU attention is not supported by this project",
+                                       "_flash_3_varlen_hub": "flash-attention 3 from the hub cannot be fetched here; use native"})
+    enable_gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
+    lora_rank: int = opt(8, "LoRA rank; 0 trains all transformer weights (full-weight publishing).", ge=0)
+    lora_alpha: float = opt(16.0, "LoRA scaling numerator (scale = alpha / rank).", gt=0)
+    lora_init_weights: Any = opt("gaussian", "LoRA init (peft init_lora_weights): gaussian, true, false, pissa, olora, loftq...")
+    target_modules: Any = opt("all-linear", "LoRA targets: all-linear or a list of module-name patterns.")
+    target_parameters: Any = opt(None, "nn.Parameter names for LoRA.",
+                                 not_built=None)
+    exclude_modules: Any = opt(None, "Module-name patterns excluded from LoRA (list or regex string).")
+    lora_adapter_path: Any = opt(None, "PEFT adapter folder to continue training from.")
+    policy_state_adapters: Any = opt(None, "Named LoRA policy states the algorithm needs; null = ['default'].")
+    lora_dtype: Any = opt(None, "Cast LoRA params to this dtype; null = keep.",
+                          choices=(None, "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"))
+    fsdp_layer_prefixes: Any = opt(None, "Accepted for compatibility; this project does not shard with FSDP.")
+    dtype: str = opt("fp32", "Compute dtype of the base weights. Log-probs are always computed in fp32.",
+                     choices=("fp32", "bf16", "fp16"))
+
+    def validate(self, path: str) -> None:
+        for key in ("tokenizer_path", "config_path"):
+            if getattr(self, key) is not None:
+                raise ValueError(f"`{path}.{key}` = {getattr(self, key)!r}: loading components from outside the "
+                                 "pipeline folder is not built yet; put them under `path` (null).")
+        if self.target_parameters not in (None, [], ()):
+            raise ValueError(f"`{path}.target_parameters` = {self.target_parameters!r}: LoRA on raw parameters "
+                             "is not built yet; use target_modules.")

@@ -1,0 +1,78 @@
+"""`actor_rollout_ref.rollout.*`: how rollout workers generate trajectories."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["DiffusionPipelineConfig", "DiffusionRolloutAlgoConfig", "ValKwargsConfig", "DiffusionRolloutConfig"]
+
+
+@dataclass
+class DiffusionPipelineConfig:
+    height: int = opt(32, "Image height in pixels.", gt=0)
+    width: int = opt(32, "Image width in pixels.", gt=0)
+    num_inference_steps: int = opt(10, "Denoising steps during generation.", gt=0)
+    true_cfg_scale: float = opt(1.0, "True classifier-free guidance; > 1 uses negative_prompt.", ge=1.0)
+    negative_prompt: str = opt("", "Negative prompt for true CFG.")
+    max_sequence_length: int = opt(77, "Max text-encoder tokens.", gt=0)
+    guidance_scale: Any = opt(None, "Distilled guidance for models with guidance embeddings (Flux-dev); null disables.", gt=0)
+    num_frames: int = opt(1, "Video frames; image models keep 1.", ge=1,
+                          not_built=None)
+    output_type: str = opt("image", "Output modality.", choices=("image",))
+
+    def validate(self, path: str) -> None:
+        if self.num_frames != 1:
+            raise ValueError(f"`{path}.num_frames` = {self.num_frames}: video generation is not built yet; use 1.")
+
+
+@dataclass
+class DiffusionRolloutAlgoConfig:
+    noise_level: float = opt(0.7, "SDE noise level a inside the window (Flow-GRPO: 0.7; cps: 0.8; dance: eta).", ge=0)
+    sde_type: str = opt("sde", "SDE variant: sde, cps (unscaled log-probs: use clip ~1e-5) or dance.",
+                        choices=("sde", "cps", "dance"))
+    sde_window_size: Any = opt(None, "SDE window length in steps; null = every step.", gt=0)
+    sde_window_range: Any = opt(None, "[start, end) envelope for the window start; null = whole trajectory.")
+    sample_strategy: str = opt("random", "Window placement: random or progressive (MixGRPO).",
+                               choices=("random", "progressive"))
+    iters_per_group: int = opt(1, "Iterations per progressive window position.", gt=0)
+    sde_window_seed: int = opt(0, "Base seed of random window draws.")
+
+    def validate(self, path: str) -> None:
+        r = self.sde_window_range
+        if r is not None:
+            if len(r) != 2 or not all(isinstance(v, int) for v in r) or not 0 <= r[0] < r[1]:
+                raise ValueError(f"`{path}.sde_window_range` = {list(r)!r}: expected [start, end) with 0 <= start < end.")
+            if self.sde_window_size is not None and self.sde_window_size > r[1] - r[0]:
+                raise ValueError(f"`{path}.sde_window_size` = {self.sde_window_size} does not fit in "
+                                 f"sde_window_range {list(r)!r}.")
+
+
+@dataclass
+class ValKwargsConfig:
+    n: int = opt(1, "Generations per prompt during validation.", gt=0)
+    pipeline: DiffusionPipelineConfig = field(default_factory=DiffusionPipelineConfig)
+    algo: DiffusionRolloutAlgoConfig = field(default_factory=lambda: DiffusionRolloutAlgoConfig(noise_level=0.0))
+
+
+@dataclass
+class DiffusionRolloutConfig:
+    name: str = opt("hf", "Rollout backend: hf (diffusers components in the worker) or vllm_omni (GPU only).",
+                    choices=("hf", "vllm_omni"),
+                    not_built={"vllm_omni": "the vLLM-Omni backend is not built yet; it also needs `pip install "
+                               "omnirl-async[vllm]` on a GPU machine. Use hf"})
+    mode: str = opt("async", "Kept for compatibility; must be async.", choices=("async",))
+    n: int = opt(4, "Samples per prompt (GRPO group size).", gt=0)
+    seed: Any = opt(42, "Base seed; per step the seed is seed + global_step - 1; null disables seeding.")
+    num_workers: int = opt(2, "Rollout worker actors.", gt=0)
+    micro_batch_size: Any = opt(None, "Samples per generation forward; null = one group (n).", gt=0)
+    calculate_log_probs: bool = opt(True, "Record behaviour log-probs (always on for policy gradient).")
+    rollout_adapter: str = opt("default", "Adapter used for generation.", choices=("default", "old"),
+                               not_built={"old": "the 'old' generation adapter (DiffusionNFT) is not built yet"})
+    num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per rollout worker.", gt=0)
+    num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per rollout worker.", ge=0)
+    pipeline: DiffusionPipelineConfig = field(default_factory=DiffusionPipelineConfig)
+    algo: DiffusionRolloutAlgoConfig = field(default_factory=DiffusionRolloutAlgoConfig)
+    val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)

@@ -1,0 +1,106 @@
+"""`trainer.*`, `learner.*`, `ray_kwargs.*`: the run itself and where it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from omnirl_async.config.fields import opt
+
+__all__ = ["SeparateAsyncConfig", "CustomSamplerConfig", "V1SamplerConfig", "V1Config", "TrainerConfig",
+           "LearnerConfig", "RayKwargsConfig"]
+
+
+@dataclass
+class SeparateAsyncConfig:
+    num_warmup_batches: int = opt(1, "Prompt batches queued before training starts.", ge=0)
+    parameter_sync_step: int = opt(1, "Optimizer updates between weight publications.", gt=0)
+    sync_compatible: bool = opt(False, "Pause rollout while the learner trains.")
+
+
+@dataclass
+class CustomSamplerConfig:
+    path: Any = opt(None, "Python file defining a custom buffer sampler class.")
+    name: Any = opt(None, "Class name in that file.")
+
+
+@dataclass
+class V1SamplerConfig:
+    max_off_policy_threshold: int = opt(1, "Max version lag of a trained sample (0 = on-policy).", ge=0)
+    max_off_policy_strategy: str = opt("wait", "wait (admission control) or drop (evict and count).",
+                                       choices=("wait", "drop"))
+    drop_incomplete_groups: bool = opt(False, "Evict a group with a failed member and refill it.")
+    max_incomplete_group_refill_rounds: int = opt(3, "Refill attempts per evicted group.", ge=0)
+    custom_sampler: CustomSamplerConfig = field(default_factory=CustomSamplerConfig)
+    sampler_kwargs: dict = opt(factory=dict, help="Keyword arguments for the sampler.")
+
+    def validate(self, path: str) -> None:
+        cs = self.custom_sampler
+        if (cs.path is None) != (cs.name is None):
+            raise ValueError(f"`{path}.custom_sampler` needs both path and name (got path={cs.path!r}, "
+                             f"name={cs.name!r}).")
+
+
+@dataclass
+class V1Config:
+    trainer_mode: str = opt("sync", "sync (generate -> train -> publish) or separate_async.",
+                            choices=("sync", "separate_async", "omni_sync"),
+                            not_built={"separate_async": "separate_async mode is not built yet; use sync",
+                                       "omni_sync": "omni (autoregressive) training is not built yet"})
+    separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
+    sampler: V1SamplerConfig = field(default_factory=V1SamplerConfig)
+
+
+@dataclass
+class TrainerConfig:
+    project_name: str = opt("omnirl_async", "Project name (log folder).")
+    experiment_name: str = opt("default", "Experiment name (log folder).")
+    logger: Any = opt(factory=lambda: ["console", "tensorboard"], help="Any of console, tensorboard.")
+    log_dir: Any = opt(None, "TensorBoard folder; null = $TENSORBOARD_DIR or "
+                       "tensorboard_log/<project_name>/<experiment_name>.")
+    device: str = opt("auto", "auto (cuda when available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
+    total_epochs: int = opt(100, "Passes over the prompt set.", gt=0)
+    total_training_steps: Any = opt(None, "Stop after this many learner steps; null = total_epochs.", gt=0)
+    total_time_minutes: Any = opt(None, "Stop after this much wall-clock time (minutes); null = no limit.", gt=0)
+    save_freq: int = opt(-1, "Checkpoint every N steps; <= 0 only at the end.")
+    test_freq: int = opt(-1, "Validate every N steps; <= 0 never during training.")
+    val_before_train: bool = opt(False, "Validate once before training.")
+    resume_mode: str = opt("auto", "auto (latest checkpoint in default_local_dir), disable, or resume_path.",
+                           choices=("auto", "disable", "resume_path"))
+    resume_from_path: Any = opt(None, "Checkpoint folder for resume_mode=resume_path.")
+    default_local_dir: str = opt("checkpoints/${trainer.project_name}/${trainer.experiment_name}",
+                                 "Where checkpoints go.")
+    max_actor_ckpt_to_keep: Any = opt(None, "Keep this many newest checkpoints; null = all.", gt=0)
+    rollout_data_save_freq: int = opt(0, "Dump rollout images every N steps; <= 0 never.")
+    rollout_data_max_samples: Any = opt(16, "Cap on dumped samples per step.", gt=0)
+    validation_data_max_samples: Any = opt(None, "Cap on dumped validation samples.", gt=0)
+    video_fps: int = opt(8, "FPS of dumped videos (image runs ignore it).", gt=0)
+    progress_bar: bool = opt(True, "Show a progress bar on the console.")
+    use_v1: bool = opt(True, "This project has only the V1 path (transfer queue + replay buffer).",
+                       not_built={False: "the legacy v0 trainer does not exist in this project"})
+    v1: V1Config = field(default_factory=V1Config)
+
+    def validate(self, path: str) -> None:
+        allowed = {"console", "tensorboard"}
+        loggers = [self.logger] if isinstance(self.logger, str) else list(self.logger or [])
+        bad = [x for x in loggers if x not in allowed]
+        if bad:
+            raise ValueError(f"`{path}.logger` = {loggers!r}: unknown logger(s) {bad}; allowed: {sorted(allowed)}.")
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ValueError(f"`{path}.resume_mode` = resume_path needs `{path}.resume_from_path`.")
+
+
+@dataclass
+class LearnerConfig:
+    num_workers: int = opt(1, "Learner actors forming one torch.distributed group.", gt=0)
+    backend: str = opt("auto", "Process-group backend: auto (nccl on GPU, gloo on CPU), gloo or nccl.",
+                       choices=("auto", "gloo", "nccl"))
+    num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per learner.", gt=0)
+    num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per learner.", ge=0)
+
+
+@dataclass
+class RayKwargsConfig:
+    address: Any = opt(None, "Ray cluster address (auto = join a running cluster); null = start a local one.")
+    num_cpus: Any = opt(None, "CPUs for a local Ray; null = all.", gt=0)
+    ray_init: dict = opt(factory=dict, help="Extra keyword arguments for ray.init.")

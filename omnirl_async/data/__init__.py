@@ -1,0 +1,62 @@
+"""Data of the embedded shapes world: the renderer and the prompt sets.
+
+* :mod:`~omnirl_async.data.shapes` – prompt grammar, :class:`SceneSpec`, and a
+  seeded numpy renderer of 32×32 scenes (the pretraining stream and the ground
+  truth the ``tiny_geneval`` reward is tested against).
+* :mod:`~omnirl_async.data.prompts` – the fixed train / held-out prompt split
+  and the JSONL / text prompt-file format.
+"""
+
+from omnirl_async.data.prompts import (
+    CATEGORIES,
+    HELDOUT_COMPOSITION,
+    enumerate_prompts,
+    heldout_prompts,
+    prompt_category,
+    prompt_split,
+    read_prompt_rows,
+    read_prompts,
+    train_prompts,
+    write_prompt_file,
+)
+from omnirl_async.data.shapes import (
+    COLORS,
+    PALETTE,
+    SHAPES,
+    ObjectGroup,
+    Scene,
+    SceneObject,
+    SceneSpec,
+    parse_prompt,
+    render,
+    render_batch,
+    sample_prompt,
+    sample_scene,
+    sample_spec,
+)
+
+__all__ = [
+    "CATEGORIES",
+    "HELDOUT_COMPOSITION",
+    "enumerate_prompts",
+    "heldout_prompts",
+    "prompt_category",
+    "prompt_split",
+    "read_prompt_rows",
+    "read_prompts",
+    "train_prompts",
+    "write_prompt_file",
+    "COLORS",
+    "PALETTE",
+    "SHAPES",
+    "ObjectGroup",
+    "Scene",
+    "SceneObject",
+    "SceneSpec",
+    "parse_prompt",
+    "render",
+    "render_batch",
+    "sample_prompt",
+    "sample_scene",
+    "sample_spec",
+]

@@ -1,0 +1,1 @@
+"""Learner workers, the learner group and weight publishing."""

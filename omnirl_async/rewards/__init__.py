@@ -1,0 +1,40 @@
+"""Rewards: the registry, built-in reward functions and the reward manager.
+
+* :mod:`~omnirl_async.rewards.base` – the reward-function contract,
+  :class:`RewardResult`, :func:`register_reward` / :func:`get_reward_fn`.
+* :mod:`~omnirl_async.rewards.custom` – load a user function from a ``.py`` file.
+* :mod:`~omnirl_async.rewards.manager` – :class:`RewardManager`: config →
+  weighted sum with per-sample failure flags.
+* :mod:`~omnirl_async.rewards.builtin` – ``jpeg_compressibility``,
+  ``jpeg_incompressibility``, ``brightness``.
+* :mod:`~omnirl_async.rewards.tiny_geneval` – ``tiny_geneval``, the verifiable
+  reward of the embedded shapes world (the default).
+
+Importing this package registers the built-ins.
+"""
+
+from omnirl_async.rewards.base import (
+    RewardFn,
+    RewardResult,
+    get_reward_fn,
+    register_reward,
+    registered_rewards,
+)
+from omnirl_async.rewards import builtin as _builtin  # noqa: F401  (registers)
+from omnirl_async.rewards import tiny_geneval as _tiny_geneval  # noqa: F401  (registers)
+from omnirl_async.rewards.custom import load_custom_reward_fn
+from omnirl_async.rewards.manager import DEFAULT_REWARD_FN, RewardComponent, RewardManager
+from omnirl_async.rewards.tiny_geneval import clause_accuracy
+
+__all__ = [
+    "RewardFn",
+    "RewardResult",
+    "get_reward_fn",
+    "register_reward",
+    "registered_rewards",
+    "load_custom_reward_fn",
+    "DEFAULT_REWARD_FN",
+    "RewardComponent",
+    "RewardManager",
+    "clause_accuracy",
+]

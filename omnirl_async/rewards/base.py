@@ -1,0 +1,126 @@
+"""Reward-function contract and the name → function registry.
+
+A **reward function** scores a batch of generated images against their
+prompts::
+
+    def my_reward(images: np.ndarray, prompts: list[str], **kwargs) -> np.ndarray | dict:
+        ...
+
+* ``images`` – ``uint8 [B, H, W, 3]``, RGB, batch first.
+* ``prompts`` – ``list[str]`` of length ``B``.
+* ``**kwargs`` – the ``kwargs`` of the function's config entry merged over
+  ``reward.reward_kwargs``.
+* returns either ``float [B]`` scores, or a ``dict`` whose ``"score"`` entry is
+  the ``[B]`` scores and whose other entries are extra per-sample ``[B]``
+  arrays (for example ``"strict"``) that are logged but not optimised.
+
+A function signals "cannot score sample i" by returning NaN for it; raising
+means "cannot score this batch". Either way the
+:class:`~omnirl_async.rewards.manager.RewardManager` records the samples as
+failed with a reason instead of training on a made-up number.
+
+Functions are found by name through :func:`get_reward_fn`; built-ins register
+themselves with the :func:`register_reward` decorator when
+:mod:`omnirl_async.rewards` is imported. A registry (rather than import paths
+in the config) keeps config values short and lets config validation list the
+valid names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Protocol, Union
+
+import numpy as np
+
+__all__ = [
+    "RewardFn",
+    "RewardOutput",
+    "RewardResult",
+    "register_reward",
+    "get_reward_fn",
+    "registered_rewards",
+]
+
+RewardOutput = Union[np.ndarray, dict]
+
+
+class RewardFn(Protocol):
+    """What a reward function looks like (see the module docstring)."""
+
+    def __call__(self, images: np.ndarray, prompts: list[str], **kwargs: Any) -> RewardOutput: ...
+
+
+@dataclasses.dataclass
+class RewardResult:
+    """Scores of one batch, as returned by ``RewardManager.__call__``.
+
+    Attributes:
+        scores: ``float32 [B]`` total reward (weighted sum); 0.0 where failed.
+        extra: name → ``float32 [B]``: each component's own score under
+            ``reward/<name>`` and each component's extra outputs under
+            ``<name>/<key>`` (NaN where that component failed).
+        failed: ``bool [B]``; a failed sample must not be trained on as if
+            its score were real.
+        reasons: per sample, why it failed, or ``None``.
+    """
+
+    scores: np.ndarray
+    extra: dict[str, np.ndarray]
+    failed: np.ndarray
+    reasons: list[str | None]
+
+    def __len__(self) -> int:
+        return int(self.scores.shape[0])
+
+    @property
+    def num_failed(self) -> int:
+        return int(self.failed.sum())
+
+
+_REGISTRY: dict[str, Callable[..., RewardOutput]] = {}
+
+
+def register_reward(name: str) -> Callable[[Callable], Callable]:
+    """Decorator that registers a reward function under ``name``.
+
+    Registering a second, different function under a taken name raises, so two
+    modules cannot silently shadow each other.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"reward name must be a non-empty str, got {name!r}")
+
+    def deco(fn: Callable) -> Callable:
+        if not callable(fn):
+            raise ValueError(f"`register_reward({name!r})` must decorate a callable, got {fn!r}")
+        old = _REGISTRY.get(name)
+        if old is not None and old is not fn and getattr(old, "__qualname__", None) != getattr(fn, "__qualname__", 0):
+            raise ValueError(
+                f"reward name {name!r} is already registered to {old.__module__}.{old.__qualname__}; "
+                f"pick another name"
+            )
+        _REGISTRY[name] = fn
+        return fn
+
+    return deco
+
+
+def registered_rewards() -> list[str]:
+    """Sorted names of all registered reward functions."""
+    import omnirl_async.rewards  # noqa: F401  (registers the built-ins)
+
+    return sorted(_REGISTRY)
+
+
+def get_reward_fn(name: str) -> Callable[..., RewardOutput]:
+    """Look up a registered reward function; an unknown name lists the known ones."""
+    import omnirl_async.rewards  # noqa: F401  (registers the built-ins)
+
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise KeyError(
+            f"unknown reward function {name!r}; registered: {', '.join(sorted(_REGISTRY))}. "
+            f"Register one with `@register_reward(name)` or load it from a file with "
+            f"`reward.custom_reward_function.path`/`name`"
+        ) from None

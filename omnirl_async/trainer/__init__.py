@@ -1,0 +1,1 @@
+"""Trainer modes (sync, separate_async), the task runner and checkpointing."""

@@ -1,0 +1,132 @@
+"""Machinery shared by every trainer mode: workers, weights, checkpoints, logging.
+
+A trainer owns the prompt dispatcher, the rollout workers (Ray actors), the
+replay buffer and the learner group, and knows the current policy version.
+Modes differ only in how they schedule generation against learning
+(:mod:`omnirl_async.trainer.sync`; the asynchronous mode builds on the same
+pieces).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
+from omnirl_async.actors.rollout_worker import RolloutWorker
+from omnirl_async.buffer import make_replay_buffer
+from omnirl_async.learners.learner_group import LearnerGroup
+from omnirl_async.metrics import Tracking
+from omnirl_async.protocol import WeightsInfo
+from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
+
+__all__ = ["BaseTrainer"]
+
+
+class BaseTrainer:
+    def __init__(self, config, prompts: list[str], *, printer=print):
+        import ray
+
+        self.config = config
+        self.printer = printer
+        aro = config.actor_rollout_ref
+        self.n = aro.rollout.n
+        self.batch_prompts = config.data.train_batch_size
+        self.dispatcher = PromptDispatcher(prompts, n=self.n, shuffle=config.data.shuffle,
+                                           data_seed=config.data.seed, rollout_seed=aro.rollout.seed,
+                                           total_epochs=config.trainer.total_epochs,
+                                           negative_prompt=aro.rollout.pipeline.negative_prompt or None)
+        self.buffer = make_replay_buffer(config.buffer, config.trainer.v1.sampler, config.transfer_queue,
+                                         use_ray=False)
+        threads = max(1, int(aro.rollout.num_cpus_per_worker))
+        worker_cls = ray.remote(num_cpus=aro.rollout.num_cpus_per_worker,
+                                num_gpus=aro.rollout.num_gpus_per_worker)(RolloutWorker)
+        self.workers = [worker_cls.remote(config, worker_index=i, num_threads=threads)
+                        for i in range(aro.rollout.num_workers)]
+        self.learners = LearnerGroup(config, use_ray=True,
+                                     num_threads=max(1, int(config.learner.num_cpus_per_worker)))
+        ray.get([w.assert_healthy.remote() for w in self.workers])
+        self.version = 0
+        self.global_step = 0
+        self.ckpt = CheckpointManager(config.trainer.default_local_dir,
+                                      max_to_keep=config.trainer.max_actor_ckpt_to_keep)
+        self.tracking = Tracking(config.trainer, printer=printer)
+        self.weight_bytes = 0
+
+    # ------------------------------------------------------------------ weights
+    def publish_weights(self) -> dict[str, float]:
+        """Put the learner's weights into the object store once; every worker installs them."""
+        import ray
+
+        t0 = time.perf_counter()
+        weights = self.learners.get_weights()
+        info = WeightsInfo(version=self.version, num_bytes=int(sum(v.nbytes for v in weights.values())),
+                           is_lora=self.config.actor_rollout_ref.model.lora_rank > 0)
+        ref = ray.put(weights)
+        ray.get([w.set_weights.remote(info.version, ref) for w in self.workers])
+        self.weight_bytes = info.num_bytes
+        return {"timing_s/update_weights": time.perf_counter() - t0,
+                "perf/weight_sync_bytes": float(info.num_bytes)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> Path:
+        tmp = self.ckpt.begin(self.global_step)
+        self.learners.save_lora(str(tmp / "lora"))
+        save_state(self.learners.get_state(), tmp, "learner")
+        save_state({"global_step": self.global_step, "version": self.version,
+                    "dispatcher": self.dispatcher.get_state()}, tmp, "trainer")
+        if self.config.buffer.snapshot_with_checkpoint:
+            self.buffer.snapshot(str(tmp / "buffer"))
+        return self.ckpt.commit(tmp, self.global_step)
+
+    def maybe_resume(self) -> bool:
+        tcfg = self.config.trainer
+        if tcfg.resume_mode == "disable":
+            return False
+        folder = Path(tcfg.resume_from_path) if tcfg.resume_mode == "resume_path" else self.ckpt.latest()
+        if folder is None:
+            return False
+        if not (folder / "COMPLETE").is_file():
+            raise FileNotFoundError(f"`trainer.resume_from_path` = {str(folder)!r} is not a complete checkpoint "
+                                    "(no COMPLETE marker).")
+        self.learners.set_state(load_state(folder, "learner"))
+        state = load_state(folder, "trainer")
+        self.global_step, self.version = int(state["global_step"]), int(state["version"])
+        self.dispatcher.set_state(state["dispatcher"])
+        if (folder / "buffer").is_dir():
+            self.buffer.restore(str(folder / "buffer"))
+        self.publish_weights()
+        self.printer(f"resumed from {folder} at step {self.global_step} (policy version {self.version})")
+        return True
+
+    # ------------------------------------------------------------------ run control
+    def total_steps(self) -> int:
+        tcfg = self.config.trainer
+        if tcfg.total_training_steps:
+            return int(tcfg.total_training_steps)
+        per_epoch = int(np.ceil(len(self.dispatcher.prompts) / self.batch_prompts))
+        return per_epoch * tcfg.total_epochs
+
+    def should_save(self, done: bool) -> bool:
+        freq = self.config.trainer.save_freq
+        return done or (freq > 0 and self.global_step % freq == 0)
+
+    def stop(self) -> None:
+        import ray
+
+        self.tracking.close()
+        try:
+            self.learners.stop()
+        finally:
+            for w in self.workers:
+                ray.kill(w)
+            self.workers = []
+            self.buffer.close()
+
+    def summary(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "version": self.version,
+                "log_dir": os.fspath(self.tracking.log_dir), "checkpoint_dir": os.fspath(self.ckpt.root)}

@@ -1,0 +1,74 @@
+"""From a validated config to a finished run: Ray start-up, prompts, mode dispatch, shutdown."""
+
+from __future__ import annotations
+
+import os
+
+from omnirl_async.data.prompts import read_prompts, train_prompts
+
+__all__ = ["TaskRunner", "load_train_prompts", "init_ray"]
+
+
+def load_train_prompts(data_cfg) -> list[str]:
+    files = data_cfg.train_files
+    if files is None:
+        return train_prompts()
+    files = [files] if isinstance(files, str) else list(files)
+    prompts: list[str] = []
+    for f in files:
+        prompts.extend(read_prompts(os.path.expanduser(f)))
+    if not prompts:
+        raise ValueError(f"`data.train_files` = {files!r} holds no prompts.")
+    return prompts
+
+
+def required_cpus(config) -> float:
+    ro = config.actor_rollout_ref.rollout
+    return ro.num_workers * ro.num_cpus_per_worker + config.learner.num_workers * config.learner.num_cpus_per_worker
+
+
+def init_ray(config) -> bool:
+    """Start (or join) Ray as ``ray_kwargs`` says; returns True when this call started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    rk = config.ray_kwargs
+    kwargs = dict(rk.ray_init or {})
+    kwargs.setdefault("include_dashboard", False)
+    kwargs.setdefault("log_to_driver", True)
+    if rk.address:
+        ray.init(address=rk.address, **kwargs)
+    else:
+        num_cpus = rk.num_cpus or max(os.cpu_count() or 1, int(required_cpus(config) + 0.999))
+        ray.init(num_cpus=num_cpus, **kwargs)
+    return True
+
+
+class TaskRunner:
+    """Runs one training job. ``run()`` returns the trainer's summary."""
+
+    def __init__(self, config, *, printer=print):
+        self.config = config
+        self.printer = printer
+
+    def run(self) -> dict:
+        import ray
+
+        started = init_ray(self.config)
+        try:
+            prompts = load_train_prompts(self.config.data)
+            mode = self.config.trainer.v1.trainer_mode
+            if mode == "sync":
+                from omnirl_async.trainer.sync import SyncTrainer as cls
+            else:  # validation refuses modes that are not built
+                raise ValueError(f"`trainer.v1.trainer_mode` = {mode!r} is not available")
+            trainer = cls(self.config, prompts, printer=self.printer)
+            try:
+                trainer.maybe_resume()
+                return trainer.fit()
+            finally:
+                trainer.stop()
+        finally:
+            if started:
+                ray.shutdown()
