@@ -122,6 +122,11 @@ class Schema:
             raise ValueError(f"put rejected: sample `{key}` has field `{extra[0]}` which is not in the "
                              f"{self.table} table schema {sorted(self.fields)}")
 
+    def row_nbytes(self) -> int:
+        """Bytes of one stored row over all fields."""
+        return sum(int(np.dtype(f.dtype).itemsize * int(np.prod(f.shape, dtype=np.int64)))
+                   for f in (self.fields or {}).values())
+
     def to_dict(self) -> dict | None:
         return None if self.fields is None else {k: v.to_list() for k, v in self.fields.items()}
 

@@ -60,8 +60,22 @@ def compose_config(overrides: Sequence[str] = (), *, config_name: str = "diffusi
         with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
             return compose(config_name=config_name, overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as err:
-        raise ConfigError(f"could not compose `{config_name}` from {cdir} with overrides {list(overrides)}: "
-                          f"{str(err).splitlines()[0]}") from None
+        raise ConfigError(_explain(err, config_name, cdir, overrides)) from None
+
+
+def _explain(err: BaseException, config_name: str, cdir: Path, overrides: Sequence[str]) -> str:
+    """Name the key path of the deepest OmegaConf error in the chain, with its one-line reason."""
+    chain, e = [], err
+    while e is not None and len(chain) < 10:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    for e in reversed(chain):
+        key = getattr(e, "full_key", None)
+        if key:
+            reason = str(e).splitlines()[0]
+            return f"`{key}`: {reason} (composing `{config_name}` from {cdir})"
+    return (f"could not compose `{config_name}` from {cdir} with overrides {list(overrides)}: "
+            + " <- ".join(str(e).splitlines()[0] for e in chain))
 
 
 def load_config(overrides: Sequence[str] = (), *, config_name: str = "diffusion_trainer",

@@ -24,8 +24,10 @@ class ActorRolloutRefConfig:
 
 @dataclass
 class DiffusionTrainerConfig:
-    algorithm: DiffusionAlgoConfig = field(default_factory=DiffusionAlgoConfig)
+    # actor_rollout_ref comes first so that a bad model.algorithm is reported
+    # before the keys that interpolate it (algorithm.adv_estimator, loss_mode).
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
+    algorithm: DiffusionAlgoConfig = field(default_factory=DiffusionAlgoConfig)
     data: DataConfig = field(default_factory=DataConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)

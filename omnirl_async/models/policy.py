@@ -7,7 +7,8 @@ primitives, all here:
 
 1. ``encode_prompt``   text -> :class:`PromptEmbeds` (frozen text encoders).
 2. ``prepare_latents`` initial Gaussian noise x_1 in the transformer's layout.
-3. ``make_sigmas``     the shifted sigma grid s_0=shift(1) > ... > s_{N-1} > s_N=0.
+3. ``make_sigmas``     the shifted sigma grid s_0=1 > ... > s_{N-1} > s_N=0, as the
+   family's diffusers pipeline builds it.
 4. ``predict_velocity`` v_theta(x_s, s | prompt) with optional true CFG. This is
    the only differentiable call; gradients reach the LoRA (or full) weights.
 5. ``decode``          latents -> uint8 images for the reward models.
@@ -338,12 +339,20 @@ class FlowMatchPolicy:
 
     # ---- 3. sigma grid -------------------------------------------------------------------
     def make_sigmas(self, num_inference_steps: int, height: int, width: int) -> torch.Tensor:
-        """fp32 Tensor[N+1]: ``linspace(1, 1/N, N)`` time-shifted, then 0.
+        """fp32 Tensor[N+1]: the family's pipeline grid, time-shifted, then 0.
+
+        The unshifted grid is the one each diffusers pipeline uses, so a policy
+        rollout reproduces the pipeline's own sampling:
+
+        * Flux: ``linspace(1, 1/N, N)`` (FluxPipeline passes these sigmas).
+        * SD3: ``linspace(1, s_min, N)`` with ``s_min`` the scheduler's smallest
+          training sigma (``shift(1/1000)``), the scheduler's default grid that
+          StableDiffusion3Pipeline uses.
 
         The shift is the scheduler's: static ``s' = shift s / (1 + (shift-1) s)``
-        for SD3, resolution-dependent (``mu`` from the image token count, as
-        in the Flux pipeline) when the config has ``use_dynamic_shifting``.
-        A fresh scheduler copy is used, so the pipeline's one is not mutated.
+        for SD3, resolution-dependent (``mu`` from the image token count, as in
+        the pipelines) when the config has ``use_dynamic_shifting``. A fresh
+        scheduler copy is used; the pipeline's own one is not mutated.
         """
         n = int(num_inference_steps)
         if n < 1 or n != num_inference_steps:
@@ -358,7 +367,10 @@ class FlowMatchPolicy:
             mu = calculate_shift((h // self._patch) * (w // self._patch), cfg.get("base_image_seq_len", 256),
                                  cfg.get("max_image_seq_len", 4096), cfg.get("base_shift", 0.5),
                                  cfg.get("max_shift", 1.15))
-        sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n), mu=mu)
+        if self.family == "flux":
+            sched.set_timesteps(sigmas=np.linspace(1.0, 1.0 / n, n), mu=mu)
+        else:
+            sched.set_timesteps(num_inference_steps=n, mu=mu)
         return sched.sigmas.to("cpu", torch.float32)
 
     # ---- 4. velocity ---------------------------------------------------------------------

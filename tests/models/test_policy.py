@@ -137,13 +137,17 @@ def test_make_sigmas_sd3_static_shift(make_policy):
     p = make_policy("sd3")
     n, shift = 10, 3.0
     sig = p.make_sigmas(n, HEIGHT, WIDTH)
-    s = torch.linspace(1.0, 1.0 / n, n, dtype=torch.float64)
-    expected = shift * s / (1 + (shift - 1) * s)
+    def shifted(s):
+        return shift * s / (1 + (shift - 1) * s)
+
+    # StableDiffusion3Pipeline's grid: from 1 to the smallest (shifted) training sigma, then shifted
+    s = torch.linspace(1.0, shifted(1 / 1000), n, dtype=torch.float64)
+    expected = shifted(s)
     assert sig.shape == (n + 1,) and sig.dtype == torch.float32
     assert sig[0] == 1.0 and sig[-1] == 0.0
     assert torch.all(sig[1:] < sig[:-1])
     assert torch.allclose(sig[:-1].double(), expected, atol=1e-6)
-    assert float(sig[5]) == pytest.approx(3 * 0.5 / (1 + 2 * 0.5), abs=1e-6)  # s = 0.5 -> 0.75
+    assert float(sig[-2]) == pytest.approx(shifted(shifted(0.001)), abs=1e-6)
 
 
 def test_make_sigmas_flux_dynamic_shift_depends_on_resolution(make_policy):

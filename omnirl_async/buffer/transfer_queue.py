@@ -1,0 +1,270 @@
+"""Sharded transfer queue on Ray: one controller actor, K storage-unit actors.
+
+Who holds what:
+
+* the **controller** (:class:`TransferQueueController`) runs the
+  :class:`~omnirl_async.buffer.core.BufferCore`: metadata (``SampleMeta``
+  with status, reason, tags, timestamps, times_sampled), tables, sampling,
+  staleness, rate limiting, blocking. It never touches tensor bytes;
+* the **storage units** (:class:`StorageUnit`, ``transfer_queue.
+  num_data_storage_units`` of them) *own* the tensor payloads. A producer
+  writes its batch into the object store once with ``ray.put(payload,
+  _owner=unit)``, the unit chosen by a stable hash of the group uid, and sends
+  the controller the ``ObjectRef``. Because the owner is the long-lived unit
+  and not the producer, the data outlives the producer (Ray frees an object
+  when its *owner* dies – PITFALLS "Ray object store");
+* a consumer gets ``ObjectRef`` s from the controller and reads them with
+  ``ray.get``: numpy arrays come back zero-copy (read-only views).
+
+So one put is one ``ray.put`` plus one actor call, and one sample is one actor
+call plus one ``ray.get`` – per *group* and per *batch*, never per sample.
+
+Why not keep the bytes inside the storage actors (push the arrays as call
+arguments and return them from a ``get``)? That costs two extra copies
+through the actors' heaps and serialises all traffic through K Python
+processes; object-store ownership gives the same durability for one copy.
+Placement is by *group* uid rather than by sample key so that a group,
+which is always read whole, is one object.
+
+:class:`RayReplayBuffer` is the client. It pickles to the actor handles
+(Reverb ``Client`` pickles to its address), so the same object works in the
+driver, in rollout workers and in learners. Errors raised in the controller
+come back as values and are re-raised here with their original type.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+from typing import Any, Sequence
+
+import msgspec
+import ray
+
+from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, assemble_fields
+from omnirl_async.buffer.core import BufferCore, cfg_get
+from omnirl_async.buffer.local import check_field_names, prepare_put
+from omnirl_async.buffer.schema import FieldSpec
+from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
+
+__all__ = ["StorageUnit", "TransferQueueController", "RayReplayBuffer", "unit_for"]
+
+_METAS = msgspec.msgpack.Decoder(list[SampleMeta])
+_ENC = msgspec.msgpack.Encoder()
+CONTROLLER_CONCURRENCY = 64
+RPC_GRACE_S = 30.0  # extra wait for the remote call itself beyond the buffer's own timeout
+
+
+def unit_for(group_uid: str, k: int) -> int:
+    """Storage unit of a group: a stable hash (not Python's salted ``hash``)."""
+    return zlib.crc32(group_uid.encode()) % k
+
+
+@ray.remote(num_cpus=0)
+class StorageUnit:
+    """Owner of tensor payloads in the object store; holds no Python-side copies."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def assert_healthy(self) -> int:
+        return self.index
+
+
+def _ok(value: Any = None) -> tuple:
+    return ("ok", value)
+
+
+def _guard(fn):
+    """Run ``fn`` and return ("ok", value) or ("err", exception): errors travel as values."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return _ok(fn(*args, **kwargs))
+        except Exception as exc:  # re-raised by the client with its original type
+            return ("err", exc)
+    return wrapper
+
+
+@ray.remote(num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY)
+class TransferQueueController:
+    """Metadata, tables and blocking logic; payloads are ``ObjectRef`` s owned by the units."""
+
+    def __init__(self, buffer_cfg: Any, sampler_cfg: Any, tq_cfg: Any, seed: int | None,
+                 units: list) -> None:
+        self.core = BufferCore(buffer_cfg, sampler_cfg, tq_cfg, seed=seed)
+        self.units = units
+
+    def assert_healthy(self) -> int:
+        ray.get([u.assert_healthy.remote() for u in self.units], timeout=60)
+        return len(self.units)
+
+    @_guard
+    def put(self, metas_msgpack: bytes, wrapped_ref: list, spec: dict, row_nbytes: int,
+            timeout: float | None) -> int:
+        metas = _METAS.decode(metas_msgpack)
+        spec_ = {k: FieldSpec.from_list(v) for k, v in spec.items()}
+        return self.core.put(metas, wrapped_ref[0], spec_, row_nbytes, timeout=timeout)
+
+    @_guard
+    def sample(self, batch_size: int, learner_version: int, timeout: float | None, source: Any):
+        metas, parts, info = self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
+                                              source=source)
+        return _ENC.encode(metas), parts, info
+
+    @_guard
+    def get(self, keys: list[str]):
+        metas, parts = self.core.get(keys)
+        return _ENC.encode(metas), parts
+
+    @_guard
+    def call(self, name: str, *args, **kwargs):
+        """Small queries: size, ready, refills, priorities, list_keys, clear, metrics."""
+        core = self.core
+        if name == "size":
+            with core.cond:
+                return core.size
+        if name == "ready":
+            return core.ready(*args)
+        if name == "take_refill_requests":
+            return _ENC.encode(core.take_refill_requests())
+        if name == "update_priorities":
+            return core.update_priorities(*args)
+        if name == "list_keys":
+            return core.list_keys(*args)
+        if name == "clear":
+            return core.clear()
+        if name == "metrics":
+            return core.metrics_dict()
+        raise ValueError(f"unknown controller call {name!r}")
+
+    @_guard
+    def snapshot(self, path: str) -> None:
+        from omnirl_async.buffer.persistence import write_snapshot
+        write_snapshot(self.core, path, resolve=lambda ref: ray.get(ref))
+
+    @_guard
+    def restore(self, path: str) -> None:
+        from omnirl_async.buffer.persistence import read_snapshot
+        counter = iter(range(1 << 62))
+        units = self.units
+        read_snapshot(self.core, path, wrap=lambda arrays: ray.put(arrays, _owner=units[next(counter) % len(units)]))
+
+
+class RayReplayBuffer(ReplayBuffer):
+    """Client of the transfer queue; see the module docstring. Build with :meth:`create`."""
+
+    def __init__(self, controller, units: list, default_timeout: float, *, owner: bool = False) -> None:
+        self._controller = controller
+        self._units = list(units)
+        self._default_timeout = default_timeout
+        self._owner = owner
+
+    @classmethod
+    def create(cls, buffer_cfg: Any = None, sampler_cfg: Any = None, tq_cfg: Any = None, *,
+               seed: int | None = None) -> "RayReplayBuffer":
+        if not ray.is_initialized():
+            raise RuntimeError("make_replay_buffer(use_ray=True) needs Ray: call ray.init() first")
+        k = cfg_get(tq_cfg, "num_data_storage_units", 2)
+        if not (isinstance(k, int) and k >= 1):
+            raise ValueError(f"`transfer_queue.num_data_storage_units` = {k!r}: must be an integer >= 1")
+        BufferCore(buffer_cfg, sampler_cfg, tq_cfg)  # validate here: config errors surface in the caller
+        units = [StorageUnit.remote(i) for i in range(k)]
+        controller = TransferQueueController.remote(buffer_cfg, sampler_cfg, tq_cfg, seed, units)
+        buf = cls(controller, units, float(cfg_get(tq_cfg, "put_timeout_s", 600.0)), owner=True)
+        ray.get(controller.assert_healthy.remote(), timeout=120)
+        return buf
+
+    def __reduce__(self):
+        # Pickles to handles: a copy in another process is a client, never the owner (it won't kill actors).
+        return (RayReplayBuffer, (self._controller, self._units, self._default_timeout))
+
+    # ------------------------------------------------------------------ calls
+    def _wait(self, ref, timeout: float | None):
+        t = self._default_timeout if timeout is None else float(timeout)
+        status, value = ray.get(ref, timeout=t + RPC_GRACE_S)
+        if status == "err":
+            raise value
+        return value
+
+    def _call(self, name: str, *args):
+        return self._wait(self._controller.call.remote(name, *args), 0.0)
+
+    # -------------------------------------------------------------------- API
+    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None) -> None:
+        metas, payload, spec, row_nbytes = prepare_put(metas, fields, copy=False)
+        if not metas:
+            return
+        if not all(isinstance(m, SampleMeta) for m in metas):
+            raise ValueError("put rejected: `metas` must hold SampleMeta")
+        ref = None
+        if any(m.status is SampleStatus.SUCCESS for m in metas) and payload:
+            unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
+            ref = ray.put(payload, _owner=unit)
+        self._wait(self._controller.put.remote(_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()},
+                                               row_nbytes, timeout), timeout)
+
+    def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
+               source: SampleSource | str | None = None) -> SampledBatch:
+        raw, parts, info = self._wait(self._controller.sample.remote(
+            batch_size, learner_version, timeout, None if source is None else SampleSource(source).value), timeout)
+        return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+
+    @staticmethod
+    def _resolve(parts, names=None):
+        refs = [r for r, _ in parts]
+        arrays = ray.get(refs) if refs else []
+        return assemble_fields([(a, rows) for a, (_, rows) in zip(arrays, parts)], names)
+
+    def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
+        raw, parts = self._wait(self._controller.get.remote(list(keys)), 0.0)
+        refs = [r for r, _ in parts]
+        arrays = ray.get(refs) if refs else []
+        local = [(a, rows) for a, (_, rows) in zip(arrays, parts)]
+        check_field_names(local, fields)
+        return SampledBatch(metas=_METAS.decode(raw), fields=assemble_fields(local, fields))
+
+    def size(self) -> int:
+        return self._call("size")
+
+    def num_ready_samples(self, learner_version: int | None = None) -> int:
+        return self._call("ready", learner_version)[1]
+
+    def ready_groups(self, learner_version: int | None = None) -> int:
+        return self._call("ready", learner_version)[0]
+
+    def take_refill_requests(self) -> list[RefillRequest]:
+        return msgspec.msgpack.decode(self._call("take_refill_requests"), type=list[RefillRequest])
+
+    def update_priorities(self, group_uids: Sequence[str], priorities: Sequence[float]) -> None:
+        self._call("update_priorities", list(group_uids), [float(p) for p in priorities])
+
+    def list_keys(self, *, partition: str | None = None, source: SampleSource | str | None = None,
+                  **tag_filter: Any) -> list[str]:
+        return self._call("list_keys", partition, None if source is None else SampleSource(source).value,
+                          tag_filter)
+
+    def clear(self) -> None:
+        self._call("clear")
+
+    def metrics(self) -> dict[str, float]:
+        return self._call("metrics")
+
+    def snapshot(self, path: str) -> None:
+        self._wait(self._controller.snapshot.remote(str(path)), 600.0)
+
+    def restore(self, path: str) -> None:
+        self._wait(self._controller.restore.remote(str(path)), 600.0)
+
+    def assert_healthy(self) -> None:
+        ray.get(self._controller.assert_healthy.remote(), timeout=60)
+
+    def close(self) -> None:
+        """Kill the actors if this client created them; other copies just drop their handles."""
+        if self._owner and self._controller is not None:
+            for a in [self._controller, *self._units]:
+                try:
+                    ray.kill(a)
+                except Exception:  # already gone
+                    pass
+        self._controller, self._units = None, []

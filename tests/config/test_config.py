@@ -1,0 +1,111 @@
+"""The config surface: defaults, typing, unknown keys, rules, not-built features."""
+
+from __future__ import annotations
+
+import pytest
+
+from omnirl_async.cli import main as cli_main
+from omnirl_async.config import ConfigError, DiffusionTrainerConfig, load_config
+
+
+def test_defaults_compose_into_typed_dataclasses():
+    cfg = load_config()
+    assert isinstance(cfg, DiffusionTrainerConfig)
+    assert cfg.trainer.use_v1 is True
+    assert cfg.trainer.v1.trainer_mode == "sync"
+    assert cfg.trainer.v1.sampler.max_off_policy_threshold == 1
+    assert cfg.trainer.v1.sampler.max_off_policy_strategy == "wait"
+    assert cfg.transfer_queue.num_data_storage_units == 2
+    assert cfg.actor_rollout_ref.actor.diffusion_loss.clip_ratio == pytest.approx(1e-4)
+    # interpolations resolve to the model's algorithm
+    assert cfg.algorithm.adv_estimator == "flow_grpo"
+    assert cfg.actor_rollout_ref.actor.diffusion_loss.loss_mode == "flow_grpo"
+    # the per-actor rollout_correction mirrors algorithm.rollout_correction
+    assert cfg.actor_rollout_ref.actor.rollout_correction == cfg.algorithm.rollout_correction
+
+
+def test_overrides_follow_verl_key_paths():
+    cfg = load_config(["actor_rollout_ref.rollout.n=8", "actor_rollout_ref.model.algorithm=mix_grpo",
+                       "actor_rollout_ref.rollout.algo.sde_window_size=2",
+                       "actor_rollout_ref.rollout.algo.sde_window_range=[0,5]",
+                       "algorithm.rollout_correction.rollout_is=token"])
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.algorithm.adv_estimator == "mix_grpo"
+    assert cfg.actor_rollout_ref.actor.diffusion_loss.loss_mode == "mix_grpo"
+    assert list(cfg.actor_rollout_ref.rollout.algo.sde_window_range) == [0, 5]
+    assert cfg.actor_rollout_ref.actor.rollout_correction.rollout_is == "token"
+
+
+@pytest.mark.parametrize("override, key, needle", [
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n", "must be > 0"),
+    ("actor_rollout_ref.rollout.algo.sde_type=ode", "actor_rollout_ref.rollout.algo.sde_type", "choose one of"),
+    ("algorithm.timestep_fraction=1.5", "algorithm.timestep_fraction", "<= 1.0"),
+    ("actor_rollout_ref.actor.diffusion_loss.loss_mode=nope", "actor_rollout_ref.actor.diffusion_loss.loss_mode",
+     "flow_grpo"),
+    ("algorithm.adv_estimator=nope", "algorithm.adv_estimator", "flow_grpo"),
+    ("reward.reward_fn_name=nope", "reward.reward_fn_name", "jpeg_compressibility"),
+    ("data.train_batch_size=abc", "data.train_batch_size", ""),
+    ("buffer.sampler=lifo", "buffer.sampler", "fifo"),
+    ("trainer.logger=[console,wandb]", "trainer.logger", "wandb"),
+])
+def test_bad_values_name_the_key_path(override, key, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    msg = str(err.value)
+    assert f"`{key}" in msg, msg
+    assert needle in msg, msg
+
+
+def test_unknown_keys_are_rejected_with_their_path():
+    with pytest.raises(ConfigError, match=r"`actor_rollout_ref\.rollout\.pipeline\.hieght`"):
+        load_config(["+actor_rollout_ref.rollout.pipeline.hieght=64"])
+    with pytest.raises(ConfigError, match=r"`bogus`"):
+        load_config(["+bogus=1"])
+
+
+def test_unknown_key_in_a_recipe_yaml_is_rejected(tmp_path):
+    import shutil
+
+    from omnirl_async.config.loader import default_config_dir
+
+    shutil.copy(default_config_dir() / "diffusion_trainer.yaml", tmp_path / "diffusion_trainer.yaml")
+    (tmp_path / "recipe.yaml").write_text("defaults:\n  - diffusion_trainer\n  - _self_\n"
+                                          "trainer:\n  save_frequency: 3\n")
+    with pytest.raises(ConfigError, match="save_frequency"):
+        load_config(config_name="recipe", config_dir=tmp_path)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("trainer.v1.trainer_mode=separate_async", "not built"),
+    ("algorithm.trainer_type=direct_preference", "not built"),
+    ("actor_rollout_ref.model.algorithm=diffusion_nft", "not built"),
+    ("actor_rollout_ref.rollout.name=vllm_omni", "vLLM"),
+    ("actor_rollout_ref.actor.strategy=fsdp", "FSDP"),
+    ("actor_rollout_ref.actor.use_distill_loss=true", "not built"),
+    ("reward.num_workers=2", "not built"),
+    ("buffer.offline_mix_ratio=0.5", "not built"),
+])
+def test_features_not_built_yet_are_refused_loudly(override, needle):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert override.split("=")[0] in str(err.value)
+    assert needle in str(err.value)
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="ppo_mini_batch_size"):
+        load_config(["actor_rollout_ref.actor.ppo_mini_batch_size=16", "data.train_batch_size=8"])
+    with pytest.raises(ConfigError, match="at least 2"):
+        load_config(["actor_rollout_ref.rollout.n=1"])
+    with pytest.raises(ConfigError, match="sde_window_size"):
+        load_config(["actor_rollout_ref.rollout.algo.sde_window_size=20"])
+    with pytest.raises(ConfigError, match="mutually exclusive"):
+        load_config(["reward.custom_reward_function.path=/x.py", "reward.custom_reward_function.name=f",
+                     "+reward.reward_functions={a: {name: brightness, weight: 1.0}}"])
+
+
+def test_cli_reports_config_errors_with_exit_code_2(capsys):
+    assert cli_main(["config", "actor_rollout_ref.rollout.n=-3"]) == 2
+    assert "`actor_rollout_ref.rollout.n`" in capsys.readouterr().err
+    assert cli_main(["config", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]) == 0
+    assert "train_batch_size: 4" in capsys.readouterr().out
