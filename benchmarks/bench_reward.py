@@ -17,6 +17,7 @@ for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUME
     os.environ[_var] = "1"
 
 import argparse  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -28,6 +29,7 @@ try:  # torch is not needed here, but pin it too when present
 except ImportError:  # pragma: no cover
     pass
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 from omnirl_async.data.shapes import render_batch, sample_spec  # noqa: E402
 from omnirl_async.rewards.tiny_geneval import tiny_geneval  # noqa: E402
 

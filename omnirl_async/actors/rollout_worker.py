@@ -107,10 +107,10 @@ class RolloutWorker:
             t_gen += t1 - t0
             t_reward += t2 - t1
             fields = out.to_fields()
-            fields.update({f"emb/{k}": v for k, v in emb.to_numpy().items()})
+            fields.update({f"emb.{k}": v for k, v in emb.to_numpy().items()})
             fields["rewards"] = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
             for name, arr in scored.extra.items():
-                fields[f"extra/{name}"] = np.asarray(arr, dtype=np.float32)
+                fields["extra." + name.replace("/", ".")] = np.asarray(arr, dtype=np.float32)
             chunks.append(fields)
             seeds = sample_seeds(lease)
             for k in range(lease.n):

@@ -8,22 +8,26 @@ Who holds what:
   staleness, rate limiting, blocking. It never touches tensor bytes;
 * the **storage units** (:class:`StorageUnit`, ``transfer_queue.
   num_data_storage_units`` of them) *own* the tensor payloads. A producer
-  writes its batch into the object store once with ``ray.put(payload,
-  _owner=unit)``, the unit chosen by a stable hash of the group uid, and sends
-  the controller the ``ObjectRef``. Because the owner is the long-lived unit
-  and not the producer, the data outlives the producer (Ray frees an object
-  when its *owner* dies – PITFALLS "Ray object store");
+  sends its batch to one unit, chosen by a stable hash of the group uid; the
+  unit copies it into the object store with ``ray.put`` – so the unit, not the
+  producer, owns the object – and hands back the ``ObjectRef``, which the
+  producer registers with the controller. Ray frees an object when its
+  *owner* dies (PITFALLS "Ray object store"); owners here are long-lived, so
+  the data outlives the producer;
 * a consumer gets ``ObjectRef`` s from the controller and reads them with
   ``ray.get``: numpy arrays come back zero-copy (read-only views).
 
-So one put is one ``ray.put`` plus one actor call, and one sample is one actor
+So one put is two actor calls (unit, controller) and one sample is one actor
 call plus one ``ray.get`` – per *group* and per *batch*, never per sample.
+Small payloads (under ``INLINE_BYTES``, e.g. a group of 4 KB samples) skip
+the unit: they travel inside the controller call, live in the controller's
+heap and come back inside the sample reply – one call each way, since at
+that size a call costs more than the bytes.
 
-Why not keep the bytes inside the storage actors (push the arrays as call
-arguments and return them from a ``get``)? That costs two extra copies
-through the actors' heaps and serialises all traffic through K Python
-processes; object-store ownership gives the same durability for one copy.
-Placement is by *group* uid rather than by sample key so that a group,
+Why this and not the alternatives: ``ray.put(..., _owner=unit)`` would save
+the unit's copy, but Ray removed ``_owner`` in 2.56. Keeping the bytes in the
+units' Python heaps and returning them from a ``get`` costs one more copy per
+read and funnels every read through K Python processes. Placement is by *group* uid rather than by sample key so that a group,
 which is always read whole, is one object.
 
 :class:`RayReplayBuffer` is the client. It pickles to the actor handles
@@ -39,6 +43,7 @@ import zlib
 from typing import Any, Sequence
 
 import msgspec
+import numpy as np
 import ray
 
 from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, assemble_fields
@@ -52,6 +57,7 @@ __all__ = ["StorageUnit", "TransferQueueController", "RayReplayBuffer", "unit_fo
 _METAS = msgspec.msgpack.Decoder(list[SampleMeta])
 _ENC = msgspec.msgpack.Encoder()
 CONTROLLER_CONCURRENCY = 64
+INLINE_BYTES = 64 * 1024  # payloads below this travel inside the controller call
 RPC_GRACE_S = 30.0  # extra wait for the remote call itself beyond the buffer's own timeout
 
 
@@ -60,12 +66,15 @@ def unit_for(group_uid: str, k: int) -> int:
     return zlib.crc32(group_uid.encode()) % k
 
 
-@ray.remote(num_cpus=0)
-class StorageUnit:
+class _StorageUnit:
     """Owner of tensor payloads in the object store; holds no Python-side copies."""
 
     def __init__(self, index: int) -> None:
         self.index = index
+
+    def store(self, payload: dict) -> list:
+        """Copy ``payload`` into an object this unit owns; returns ``[ref]`` (wrapped: not resolved)."""
+        return [ray.put(payload)]
 
     def assert_healthy(self) -> int:
         return self.index
@@ -86,8 +95,7 @@ def _guard(fn):
     return wrapper
 
 
-@ray.remote(num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY)
-class TransferQueueController:
+class _Controller:
     """Metadata, tables and blocking logic; payloads are ``ObjectRef`` s owned by the units."""
 
     def __init__(self, buffer_cfg: Any, sampler_cfg: Any, tq_cfg: Any, seed: int | None,
@@ -104,7 +112,10 @@ class TransferQueueController:
             timeout: float | None) -> int:
         metas = _METAS.decode(metas_msgpack)
         spec_ = {k: FieldSpec.from_list(v) for k, v in spec.items()}
-        return self.core.put(metas, wrapped_ref[0], spec_, row_nbytes, timeout=timeout)
+        payload = wrapped_ref[0]
+        if isinstance(payload, dict):  # inline: own a copy, not a view of the call's buffer
+            payload = {k: np.array(v, copy=True) for k, v in payload.items()}
+        return self.core.put(metas, payload, spec_, row_nbytes, timeout=timeout)
 
     @_guard
     def sample(self, batch_size: int, learner_version: int, timeout: float | None, source: Any):
@@ -141,14 +152,21 @@ class TransferQueueController:
     @_guard
     def snapshot(self, path: str) -> None:
         from omnirl_async.buffer.persistence import write_snapshot
-        write_snapshot(self.core, path, resolve=lambda ref: ray.get(ref))
+        write_snapshot(self.core, path, resolve=lambda p: p if isinstance(p, dict) else ray.get(p))
 
     @_guard
     def restore(self, path: str) -> None:
         from omnirl_async.buffer.persistence import read_snapshot
         counter = iter(range(1 << 62))
         units = self.units
-        read_snapshot(self.core, path, wrap=lambda arrays: ray.put(arrays, _owner=units[next(counter) % len(units)]))
+        read_snapshot(self.core, path,
+                      wrap=lambda arrays: ray.get(units[next(counter) % len(units)].store.remote(arrays))[0])
+
+
+# Plain classes wrapped here (not decorated) so that cloudpickle finds their methods by
+# reference in this module instead of serialising them by value.
+StorageUnit = ray.remote(num_cpus=0, max_concurrency=16)(_StorageUnit)
+TransferQueueController = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_CONCURRENCY)(_Controller)
 
 
 class RayReplayBuffer(ReplayBuffer):
@@ -199,8 +217,11 @@ class RayReplayBuffer(ReplayBuffer):
             raise ValueError("put rejected: `metas` must hold SampleMeta")
         ref = None
         if any(m.status is SampleStatus.SUCCESS for m in metas) and payload:
-            unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
-            ref = ray.put(payload, _owner=unit)
+            if sum(v.nbytes for v in payload.values()) < INLINE_BYTES:
+                ref = payload
+            else:
+                unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
+                ref = ray.get(unit.store.remote(payload), timeout=self._default_timeout + RPC_GRACE_S)[0]
         self._wait(self._controller.put.remote(_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()},
                                                row_nbytes, timeout), timeout)
 
@@ -211,16 +232,18 @@ class RayReplayBuffer(ReplayBuffer):
         return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
 
     @staticmethod
-    def _resolve(parts, names=None):
-        refs = [r for r, _ in parts]
-        arrays = ray.get(refs) if refs else []
-        return assemble_fields([(a, rows) for a, (_, rows) in zip(arrays, parts)], names)
+    def _fetch(parts) -> list:
+        """Replace ObjectRefs by their arrays (one ``ray.get`` for all); inline payloads pass through."""
+        refs = [p for p, _ in parts if not isinstance(p, dict)]
+        got = iter(ray.get(refs) if refs else [])
+        return [(p if isinstance(p, dict) else next(got), rows) for p, rows in parts]
+
+    def _resolve(self, parts, names=None):
+        return assemble_fields(self._fetch(parts), names)
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
         raw, parts = self._wait(self._controller.get.remote(list(keys)), 0.0)
-        refs = [r for r, _ in parts]
-        arrays = ray.get(refs) if refs else []
-        local = [(a, rows) for a, (_, rows) in zip(arrays, parts)]
+        local = self._fetch(parts)
         check_field_names(local, fields)
         return SampledBatch(metas=_METAS.decode(raw), fields=assemble_fields(local, fields))
 

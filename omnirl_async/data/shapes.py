@@ -197,23 +197,21 @@ _RELATION_PHRASES = sorted(((v.split(), k) for k, v in RELATIONS.items()), key=l
 
 
 def _parse_group(prompt: str, words: list[str], i: int) -> tuple[ObjectGroup, int]:
-    def fail(what: str) -> ValueError:
-        rest = " ".join(words[i:]) or "<end of prompt>"
+    """Parse "COUNT COLOUR SHAPE" starting at word ``i``; return it and the next index."""
+
+    def fail(at: int, what: str) -> ValueError:
+        rest = " ".join(words[at:]) or "<end of prompt>"
         return ValueError(f"cannot parse prompt {prompt!r}: expected {what} at {rest!r}")
 
     if i >= len(words) or words[i] not in COUNT_WORDS:
-        raise fail(f"a count word ({', '.join(COUNT_WORDS)})")
-    count = COUNT_WORDS[words[i]]
+        raise fail(i, f"a count word ({', '.join(COUNT_WORDS)})")
     if i + 1 >= len(words) or words[i + 1] not in PALETTE:
-        i += 1
-        raise fail(f"a colour ({', '.join(COLORS)})")
-    color = words[i + 1]
-    shape_word = words[i + 2] if i + 2 < len(words) else None
-    shape = shape_word if shape_word in SHAPES else _PLURALS.get(shape_word or "")
+        raise fail(i + 1, f"a colour ({', '.join(COLORS)})")
+    shape_word = words[i + 2] if i + 2 < len(words) else ""
+    shape = shape_word if shape_word in SHAPES else _PLURALS.get(shape_word)
     if shape is None:
-        i += 2
-        raise fail(f"a shape ({', '.join(SHAPES)}, singular or plural)")
-    return ObjectGroup(count, color, shape), i + 3
+        raise fail(i + 2, f"a shape ({', '.join(SHAPES)}, singular or plural)")
+    return ObjectGroup(COUNT_WORDS[words[i]], words[i + 1], shape), i + 3
 
 
 @functools.lru_cache(maxsize=8192)

@@ -47,25 +47,35 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def quiet_hf_logging() -> None:
+    """Silence per-component loading bars and warnings in worker logs."""
+    import diffusers
+    import transformers
+
+    diffusers.utils.logging.disable_progress_bar()
+    diffusers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+
+
 def build_policy(model_cfg, device: torch.device) -> FlowMatchPolicy:
     """Load the pipeline and wrap it with LoRA as ``actor_rollout_ref.model`` says."""
+    quiet_hf_logging()
     policy = FlowMatchPolicy.from_pretrained(resolve_model_path(model_cfg.path),
                                              transformer_subfolder=model_cfg.transformer_subfolder,
                                              device=device, dtype=_DTYPES[model_cfg.dtype])
-    if model_cfg.lora_rank > 0:
-        policy.add_lora(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
-                        init_weights=model_cfg.lora_init_weights, target_modules=model_cfg.target_modules,
-                        exclude_modules=model_cfg.exclude_modules, adapter_path=model_cfg.lora_adapter_path,
-                        lora_dtype=model_cfg.lora_dtype)
-    else:
-        policy.enable_full_training()
+    # rank 0 (without an adapter path) makes the whole transformer trainable
+    policy.add_lora(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
+                    init_weights=model_cfg.lora_init_weights, target_modules=model_cfg.target_modules,
+                    exclude_modules=model_cfg.exclude_modules, adapter_path=model_cfg.lora_adapter_path,
+                    lora_dtype=model_cfg.lora_dtype)
     if model_cfg.enable_gradient_checkpointing and hasattr(policy.transformer, "enable_gradient_checkpointing"):
         policy.transformer.enable_gradient_checkpointing()
     return policy
 
 
 def _embeds_from_fields(fields: dict[str, torch.Tensor]) -> PromptEmbeds:
-    return PromptEmbeds.from_numpy({k[len("emb/"):]: v for k, v in fields.items() if k.startswith("emb/")})
+    return PromptEmbeds.from_numpy({k[len("emb."):]: v for k, v in fields.items() if k.startswith("emb.")})
 
 
 class Learner:
@@ -115,7 +125,8 @@ class Learner:
 
     # ---------------------------------------------------------------- 1. batch
     def prepare_batch(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, Any]:
-        batch = {k: torch.as_tensor(np.ascontiguousarray(v)) for k, v in fields.items() if k != "images"}
+        # copies: arrays from the object store are read-only views
+        batch = {k: torch.from_numpy(np.array(v)) for k, v in fields.items() if k != "images"}
         rewards = batch["rewards"].float()
         adv, adv_metrics = compute_flow_grpo_outcome_advantage(
             rewards, group_ids, norm_adv_by_std_in_grpo=self.algo_cfg.norm_adv_by_std_in_grpo,

@@ -48,11 +48,18 @@ def compute_data_metrics(rewards: np.ndarray, advantages: np.ndarray | None = No
     m = _stats("critic/rewards", rewards)
     if advantages is not None:
         m.update({k: v for k, v in _stats("critic/advantages", advantages).items() if not k.endswith("/std")})
-    for name, arr in (extras or {}).items():
+    extras = extras or {}
+    for name, arr in extras.items():
         arr = np.asarray(arr, dtype=np.float64)
-        arr = arr[np.isfinite(arr) & (arr >= 0)] if name.startswith("clause/") else arr
-        if arr.size:
-            m[f"critic/score/{name}/mean"] = float(arr.mean())
+        if name.endswith("_total") and name[: -len("_total")] in extras:
+            continue
+        total = extras.get(f"{name}_total")
+        if total is not None:  # a count of clauses met over a count of clauses: report the ratio
+            denom = float(np.sum(total))
+            if denom > 0:
+                m[f"critic/score/{name}/acc"] = float(np.sum(arr)) / denom
+        elif arr.size:
+            m[f"critic/score/{name}/mean"] = float(np.mean(arr))
     if failed is not None and len(failed):
         m["critic/rewards/failed_frac"] = float(np.mean(failed))
     return m

@@ -22,7 +22,7 @@ def resolve_log_dir(trainer_cfg) -> Path:
 class Tracking:
     """Fan metrics out to the configured backends."""
 
-    _CONSOLE_KEYS = ("critic/rewards/mean", "critic/score/strict/mean", "actor/pg_loss", "actor/ppo_kl",
+    _CONSOLE_KEYS = ("critic/rewards/mean", "critic/score/tiny_geneval/strict/mean", "actor/pg_loss", "actor/ppo_kl",
                      "actor/pg_clipfrac", "actor/grad_norm", "perf/throughput", "timing_s/step",
                      "training/off_policy/trajectory_staleness/mean")
 

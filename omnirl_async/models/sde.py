@@ -207,10 +207,9 @@ def sde_step_with_logprob(
 
     # 1. Deterministic step: the Euler update, exactly.
     if a == 0.0:
-        x_next = euler_step(velocity, s, s_next, sample)
+        mean = sample.to(dtype) + _bcast(dt, sample) * velocity.to(dtype)  # same arithmetic as euler_step
         zeros = torch.zeros(b, dtype=dtype, device=device)
-        mean = x_next.to(dtype)
-        out = x_next if prev_sample is None else prev_sample
+        out = mean.to(sample.dtype) if prev_sample is None else prev_sample
         return SDEStepOutput(out, zeros, mean, zeros.clone(), zeros.clone(), dt)
 
     x = sample.to(dtype)

@@ -8,15 +8,21 @@ deterministic and agrees with the renderer's ground truth.
 
 Pipeline (all steps vectorised over the batch)
 ----------------------------------------------
-1. **Colour segmentation.** Every pixel goes to its nearest colour among black
-   and :data:`~omnirl_async.data.shapes.PALETTE`, and back to black when it is
-   more than ``color_tolerance`` (RGB distance) from that colour. Palette
-   colours are ≥ 165 apart, so blurry, slightly-off model colours still land
-   on the right class while dark anti-aliased edges drop out.
-2. **Connected components** per colour, 8-connected (``scipy.ndimage.label``
+1. **Colour segmentation.** A blurred edge pixel is a mix of its object's
+   colour and black, so each pixel is projected onto the ray from black
+   through every palette colour and takes the colour of the nearest ray, if
+   it is within ``color_tolerance`` (RGB distance) of that ray and at least
+   ``min_intensity`` (default half) of the way out to the colour; otherwise
+   it is background. Thresholding at half intensity keeps a blurred shape's
+   outline where the sharp outline was, for every colour alike (plain
+   nearest-colour matching would shrink bright colours such as white much
+   more than dark ones). Palette colours are ≥ 165 apart, so slightly-off
+   model colours still land on the right class.
+2. **Connected components** per colour, 8-connected: ``scipy.ndimage.label``
    over a ``[B, colour, H, W]`` one-hot with no links across images or
-   colours; a numpy min-label propagation when scipy is absent). Components
-   smaller than ``min_area`` pixels are noise and are dropped.
+   colours, or, without scipy, a numpy union-find over horizontal runs that
+   gives the same components (tested) at a similar speed. Components smaller
+   than ``min_area`` pixels are noise and are dropped.
 3. **Shape** per component from two numbers: the share of its pixels in the
    lower half of its bounding box (upward triangles ≈ 0.67–0.71, circles and
    squares 0.5) and its fill ratio ``area / bbox area`` (squares 1.0, circles
@@ -128,32 +134,57 @@ def segment_colors(
 
 
 def _label_numpy(planes: np.ndarray) -> tuple[np.ndarray, int]:
-    """8-connected labels of ``bool [N, H, W]`` by min-label propagation.
+    """8-connected labels of ``bool [N, H, W]`` without scipy, by union-find over runs.
 
-    Each foreground pixel starts with its own flat index and repeatedly takes
-    the minimum over its 8 neighbours; pointer jumping (``lab = lab[lab]``)
-    shortcuts long chains, so a blob converges in a few dozen sweeps.
+    1. Split every row into **runs** (maximal horizontal stretches of
+       foreground); a run id is a cumulative sum of run starts, so this is
+       one vectorised pass. A 32×32 scene has a few dozen runs, not 1024 pixels.
+    2. Two runs in adjacent rows touch when some pixel of one is a vertical or
+       diagonal neighbour of a pixel of the other; those pixel pairs give the
+       run-graph edges (repeats along a row are dropped).
+    3. Union-find on the run graph, all edges at once: hook each edge's larger
+       root under its smaller one (``np.minimum.at``), then compress paths by
+       pointer jumping, until both ends of every edge share a root.
     """
     n, h, w = planes.shape
-    big = np.int64(n * h * w)
-    lab = np.where(planes, np.arange(n * h * w, dtype=np.int64).reshape(n, h, w), big)
+    starts = planes.copy()
+    starts[:, :, 1:] &= ~planes[:, :, :-1]
+    run_of = np.cumsum(starts.reshape(-1), dtype=np.int64).reshape(n, h, w)  # valid on foreground
+    num_runs = int(run_of[-1, -1, -1]) if run_of.size else 0
+
+    top, bottom = planes[:, :-1, :], planes[:, 1:, :]
+    run_top, run_bottom = run_of[:, :-1, :], run_of[:, 1:, :]
+    ends_a, ends_b = [], []
+    for sl_top, sl_bottom in (
+        (slice(None), slice(None)),  # straight down
+        (slice(None, -1), slice(1, None)),  # down-right
+        (slice(1, None), slice(None, -1)),  # down-left
+    ):
+        touch = top[:, :, sl_top] & bottom[:, :, sl_bottom]
+        a, b = run_top[:, :, sl_top][touch], run_bottom[:, :, sl_bottom][touch]
+        new = np.ones(a.shape, dtype=bool)
+        new[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+        ends_a.append(a[new])
+        ends_b.append(b[new])
+    a, b = np.concatenate(ends_a), np.concatenate(ends_b)
+
+    parent = np.arange(num_runs + 1, dtype=np.int64)
     while True:
-        pad = np.pad(lab, ((0, 0), (1, 1), (1, 1)), constant_values=big)
-        new = lab.copy()
-        for dy in (0, 1, 2):
-            for dx in (0, 1, 2):
-                np.minimum(new, pad[:, dy : dy + h, dx : dx + w], out=new)
-        new = np.where(planes, new, big)
-        flat = new.reshape(-1)
-        fg = flat < big
-        flat[fg] = flat[flat[fg]]  # pointer jumping
-        if np.array_equal(new, lab):
+        ra, rb = parent[a], parent[b]
+        differ = ra != rb
+        if not differ.any():
             break
-        lab = new
-    labels = np.zeros(lab.shape, dtype=np.int32)
-    fg = lab < big
-    roots, inverse = np.unique(lab[fg], return_inverse=True)
-    labels[fg] = inverse.astype(np.int32) + 1
+        ra, rb = ra[differ], rb[differ]
+        np.minimum.at(parent, np.maximum(ra, rb), np.minimum(ra, rb))
+        while True:  # pointer jumping until every run points at its root
+            jumped = parent[parent]
+            if np.array_equal(jumped, parent):
+                break
+            parent = jumped
+
+    roots, compact = np.unique(parent[1:], return_inverse=True)
+    labels = np.zeros((n, h, w), dtype=np.int32)
+    labels[planes] = compact.astype(np.int32)[run_of[planes] - 1] + 1
     return labels, len(roots)
 
 

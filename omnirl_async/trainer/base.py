@@ -40,8 +40,8 @@ class BaseTrainer:
                                            data_seed=config.data.seed, rollout_seed=aro.rollout.seed,
                                            total_epochs=config.trainer.total_epochs,
                                            negative_prompt=aro.rollout.pipeline.negative_prompt or None)
-        self.buffer = make_replay_buffer(config.buffer, config.trainer.v1.sampler, config.transfer_queue,
-                                         use_ray=False)
+        self.buffer = make_replay_buffer(config.buffer, self.sampler_config(), config.transfer_queue,
+                                         use_ray=False, seed=config.data.seed)
         threads = max(1, int(aro.rollout.num_cpus_per_worker))
         worker_cls = ray.remote(num_cpus=aro.rollout.num_cpus_per_worker,
                                 num_gpus=aro.rollout.num_gpus_per_worker)(RolloutWorker)
@@ -56,6 +56,10 @@ class BaseTrainer:
                                       max_to_keep=config.trainer.max_actor_ckpt_to_keep)
         self.tracking = Tracking(config.trainer, printer=printer)
         self.weight_bytes = 0
+
+    def sampler_config(self):
+        """``trainer.v1.sampler`` as this mode applies it (sync: threshold 0)."""
+        return self.config.trainer.v1.sampler
 
     # ------------------------------------------------------------------ weights
     def publish_weights(self) -> dict[str, float]:

@@ -9,6 +9,7 @@ against.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -22,6 +23,9 @@ __all__ = ["SyncTrainer"]
 
 
 class SyncTrainer(BaseTrainer):
+    def sampler_config(self):
+        return dataclasses.replace(self.config.trainer.v1.sampler, max_off_policy_threshold=0)
+
     # ------------------------------------------------------------------ phases
     def generate(self, timer: Timer):
         """Lease one batch of prompts, generate on every worker, put the groups into the buffer."""
@@ -42,8 +46,8 @@ class SyncTrainer(BaseTrainer):
             rewards.append(fields["rewards"])
             failed.append(np.array([m.status.value == "failure" for m in metas]))
             for k, v in fields.items():
-                if k.startswith("extra/"):
-                    extras.setdefault(k[len("extra/"):], []).append(v)
+                if k.startswith("extra."):
+                    extras.setdefault(k[len("extra."):].replace(".", "/"), []).append(v)
             stats.append(st)
         gen = {"rewards": np.concatenate(rewards), "failed": np.concatenate(failed),
                "extras": {k: np.concatenate(v) for k, v in extras.items()}, "stats": reduce_metrics(stats),

@@ -263,3 +263,11 @@ def test_window_validation(args, match):
 def test_window_rejects_negative_iteration():
     with pytest.raises(ValueError, match="iteration"):
         SDEWindow(10, 2, None, "random", 1, 0).select(-1)
+
+
+def test_noise_level_zero_bf16_matches_euler_step_exactly():
+    x, v, _ = _inputs()
+    xb, vb = x.to(torch.bfloat16), v.to(torch.bfloat16)
+    out = sde_step_with_logprob(vb, 0.8, 0.7, xb, noise_level=0.0)
+    assert out.prev_sample.dtype == torch.bfloat16 and out.mean.dtype == torch.float32
+    assert torch.equal(out.prev_sample, euler_step(vb, 0.8, 0.7, xb))

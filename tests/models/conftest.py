@@ -16,12 +16,12 @@ def tiny_paths(tmp_path_factory) -> dict:
     return {"sd3": build_tiny_sd3(root / "sd3", seed=0), "flux": build_tiny_flux(root / "flux", seed=0)}
 
 
-@pytest.fixture(params=["sd3", "flux"])
+@pytest.fixture(scope="module", params=["sd3", "flux"])
 def family(request) -> str:
     return request.param
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def make_policy(tiny_paths):
     """Factory: a freshly loaded (so independently mutable) policy of a family."""
 
@@ -31,12 +31,13 @@ def make_policy(tiny_paths):
     return make
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def policy(make_policy, family) -> FlowMatchPolicy:
+    """Shared by a module's tests: treat it as read-only (use `make_policy` to mutate)."""
     return make_policy(family)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def batch(policy):
     """(x, sigma, emb) for a batch of 4 with negative prompts."""
     emb = policy.encode_prompt(["a red cat", "a blue dog", "tree", "a house at night"], negative_prompts="",

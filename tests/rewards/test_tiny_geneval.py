@@ -157,3 +157,16 @@ def test_crowded_prompts_render_and_verify():
     assert tiny_geneval(images, prompts)["strict"].mean() >= 0.9
     spec = SceneSpec((ObjectGroup(4, "red", "circle"),))
     assert tiny_geneval(render(spec, rng)[0][None], [spec.prompt])["strict"][0] == 1.0
+
+
+@pytest.mark.parametrize("density", [0.1, 0.3, 0.5, 0.7])
+def test_numpy_labelling_matches_scipy_on_random_masks(density):
+    ndimage = pytest.importorskip("scipy.ndimage")
+    from omnirl_async.rewards.tiny_geneval import _label_numpy
+
+    rng = np.random.default_rng(int(density * 10))
+    planes = rng.random((30, 17, 23)) < density
+    ours, n = _label_numpy(planes)
+    ref, n_ref = ndimage.label(planes, structure=np.ones((1, 3, 3), bool))
+    assert n == n_ref
+    assert len(set(zip(ours.ravel().tolist(), ref.ravel().tolist()))) == n + 1
