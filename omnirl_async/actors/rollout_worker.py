@@ -44,7 +44,7 @@ class RolloutWorker:
         aro = config.actor_rollout_ref
         self.rollout_cfg, self.model_cfg = aro.rollout, aro.model
         self.device = pick_device(config.trainer.device)
-        self.policy = build_policy(self.model_cfg, self.device)
+        self.policy = build_policy(self.model_cfg, self.device, seed=config.data.seed)
         self.policy.transformer.eval()
         self.reward = RewardManager.from_config(config.reward)
         algo = self.rollout_cfg.algo

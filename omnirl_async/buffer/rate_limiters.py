@@ -16,12 +16,14 @@ of a group of 8 is 8 inserts, a learner batch of 64 is 64 samples.
 Why a window and not an exact ratio: inserts and samples come in chunks (a
 group, a batch); an exact ratio would deadlock as soon as a chunk does not
 fit. The window must hold at least one insert chunk plus one sample chunk.
-Settings that *must* deadlock raise ``ValueError``; settings that merely
-*might* stall log a warning (as Reverb does). The checks run when the chunk
-sizes become known, i.e. at the first put and the first sample call.
+Settings that can deadlock raise ``ValueError`` (a ratio above
+``max_times_sampled``, ``min_size_to_sample > max_size``, a window narrower
+than one put plus one batch); settings that are legal but tight log a
+warning (as Reverb does). The window checks run when the chunk sizes become
+known, i.e. at the first put and the first sample call.
 
-``error_buffer = None`` sizes the window automatically to the smallest
-deadlock-free value for the largest insert and sample chunks seen so far.
+``error_buffer = None`` sizes the window automatically to a deadlock-free
+value for the largest insert and sample chunks seen so far.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class RateLimiter(ABC):
         return changed
 
     def check(self, insert_size: int, sample_size: int) -> None:
-        """Raise ``ValueError`` if these chunk sizes must deadlock."""
+        """Raise ``ValueError`` if these chunk sizes can deadlock."""
 
     @abstractmethod
     def can_insert(self, n: int) -> bool: ...
@@ -130,7 +132,7 @@ class SampleToInsertRatio(MinSize):
 
     @property
     def window(self) -> float:
-        """The error buffer in effect (explicit, or the automatic minimum)."""
+        """The error buffer in effect (explicit, or the automatic one)."""
         if self.error_buffer is not None:
             return self.error_buffer
         return max(self.spi * self.max_insert_seen + self.max_sample_seen,
@@ -141,8 +143,17 @@ class SampleToInsertRatio(MinSize):
         return self.inserts * self.spi - self.samples
 
     def min_error_buffer(self, insert_size: int, sample_size: int) -> float:
-        """Smallest error buffer that cannot deadlock for these chunk sizes."""
-        return max((self.spi * insert_size + sample_size) / 2.0,
+        """Smallest error buffer with which these chunk sizes cannot deadlock.
+
+        When a put is held back (``diff > target + eb - n*spi``) the learner must
+        be able to take a batch: rate-wise ``diff - m >= target - eb`` and
+        data-wise at least ``m`` draws stored. With ``max_times_sampled >=
+        samples_per_insert`` the stored draws are at least ``diff``, hence
+        ``eb >= n*spi + m - target`` and ``2*eb >= n*spi + m``; and the first
+        batch needs ``m`` inserts before any sample: ``eb >= spi*(m - min_size)``.
+        """
+        n_spi = self.spi * insert_size
+        return max(n_spi + sample_size - self.target, (n_spi + sample_size) / 2.0,
                    self.spi * max(0, sample_size - self.min_size))
 
     def check(self, insert_size: int, sample_size: int) -> None:
@@ -151,11 +162,11 @@ class SampleToInsertRatio(MinSize):
         need = self.min_error_buffer(insert_size, sample_size)
         if self.error_buffer < need:
             raise ValueError(
-                f"`buffer.samples_per_insert_error_buffer` = {self.error_buffer:g} must deadlock with "
+                f"`buffer.samples_per_insert_error_buffer` = {self.error_buffer:g} can deadlock with "
                 f"samples_per_insert={self.spi:g}, min_size_to_sample={self.min_size}, puts of "
                 f"{insert_size} samples and batches of {sample_size}: the window must hold one put and one "
                 f"batch; set it >= {need:g} (or null to size it automatically)")
-        comfy = self.spi * insert_size + sample_size
+        comfy = 2 * need
         if self.error_buffer < comfy and not self._warned:
             self._warned = True
             log.warning("`buffer.samples_per_insert_error_buffer` = %g is tight for puts of %d and batches of "

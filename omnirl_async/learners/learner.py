@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 
 from omnirl_async.algos import compute_flow_grpo_outcome_advantage, compute_rollout_correction, get_diffusion_loss_fn
-from omnirl_async.algos.losses import KLLoss
 from omnirl_async.models.policy import FlowMatchPolicy, PromptEmbeds
 from omnirl_async.models.resolve import resolve_model_path
 from omnirl_async.models.sde import sde_step_with_logprob
@@ -58,20 +57,30 @@ def quiet_hf_logging() -> None:
     transformers.utils.logging.set_verbosity_error()
 
 
-def build_policy(model_cfg, device: torch.device) -> FlowMatchPolicy:
-    """Load the pipeline and wrap it with LoRA as ``actor_rollout_ref.model`` says."""
+def build_policy(model_cfg, device: torch.device, *, seed: int = 0) -> FlowMatchPolicy:
+    """Load the pipeline and wrap it with LoRA as ``actor_rollout_ref.model`` says.
+
+    The LoRA init draws from a generator seeded with ``seed`` (and leaves the
+    global RNG as it was), so every process builds the same initial adapter.
+    """
     quiet_hf_logging()
     policy = FlowMatchPolicy.from_pretrained(resolve_model_path(model_cfg.path),
                                              transformer_subfolder=model_cfg.transformer_subfolder,
                                              device=device, dtype=_DTYPES[model_cfg.dtype])
     # rank 0 (without an adapter path) makes the whole transformer trainable
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        _add_lora(policy, model_cfg)
+    if model_cfg.enable_gradient_checkpointing and hasattr(policy.transformer, "enable_gradient_checkpointing"):
+        policy.transformer.enable_gradient_checkpointing()
+    return policy
+
+
+def _add_lora(policy: FlowMatchPolicy, model_cfg) -> None:
     policy.add_lora(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
                     init_weights=model_cfg.lora_init_weights, target_modules=model_cfg.target_modules,
                     exclude_modules=model_cfg.exclude_modules, adapter_path=model_cfg.lora_adapter_path,
                     lora_dtype=model_cfg.lora_dtype)
-    if model_cfg.enable_gradient_checkpointing and hasattr(policy.transformer, "enable_gradient_checkpointing"):
-        policy.transformer.enable_gradient_checkpointing()
-    return policy
 
 
 def _embeds_from_fields(fields: dict[str, torch.Tensor]) -> PromptEmbeds:
@@ -87,7 +96,7 @@ class Learner:
         self.device = pick_device(device or config.trainer.device)
         aro = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg, self.algo_cfg = aro.actor, aro.rollout, config.algorithm
-        self.policy = build_policy(aro.model, self.device)
+        self.policy = build_policy(aro.model, self.device, seed=config.data.seed)
         self.params = [p for p in self.policy.trainable_parameters()]
         if not self.params:
             raise RuntimeError("the policy has no trainable parameters; set "
@@ -96,7 +105,6 @@ class Learner:
         self.scheduler = self.configure_lr_scheduler()
         self.loss_fn = get_diffusion_loss_fn(self.actor_cfg.diffusion_loss.loss_mode)(
             self.actor_cfg.diffusion_loss, self.actor_cfg)
-        self.kl_fn = KLLoss(self.actor_cfg.diffusion_loss, self.actor_cfg) if self.actor_cfg.use_kl_loss else None
         self.global_step = 0
         self.rng = torch.Generator().manual_seed(int(config.data.seed) * 1000 + rank)
 
@@ -187,7 +195,7 @@ class Learner:
                         old_means[rows, j] = out.mean.float().cpu()
             b["old_log_probs"], b["old_means"] = old, old_means
         rc = compute_rollout_correction(b["old_log_probs"], behaviour, None, self.algo_cfg.rollout_correction)
-        b["is_weights"] = rc.weights * rc.rs_mask
+        b["is_weights"] = rc.weights  # IS weight x rejection keep-mask
         b["_metrics"].update(rc.metrics)
 
     # ---------------------------------------------------------------- 3. losses
@@ -198,6 +206,9 @@ class Learner:
         for j in steps:
             out = self._step_forward(mb, j, emb)
             model_output = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std, "sig": out.sig, "dt": out.dt}
+            if self.actor_cfg.use_kl_loss:  # reference = base weights (adapter disabled)
+                with self.policy.disable_adapter(), torch.no_grad():
+                    model_output["ref_mean"] = self._step_forward(mb, j, emb).mean
             data = {"old_log_prob": mb["old_log_probs"][:, j].to(self.device),
                     "advantages": mb["advantages"].to(self.device),
                     "old_mean": mb["old_means"][:, j].to(self.device),
@@ -205,12 +216,6 @@ class Learner:
             res = self.loss_fn(model_output, data)
             loss = res.loss
             metrics = dict(res.metrics)
-            if self.kl_fn is not None:
-                with self.policy.disable_adapter(), torch.no_grad():
-                    ref = self._step_forward(mb, j, emb)
-                kl = self.kl_fn({**model_output, "ref_mean": ref.mean}, data)
-                loss = loss + self.actor_cfg.kl_loss_coef * kl.loss
-                metrics["actor/kl_loss"] = float(kl.loss.detach())
             (loss * scale).backward()
             metrics["actor/loss"] = float(loss.detach())
             for k, v in metrics.items():

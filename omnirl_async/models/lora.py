@@ -266,8 +266,12 @@ def save_lora(model: nn.Module, directory: str | os.PathLike) -> Path:
     state = {PEFT_FILE_PREFIX + k: v.contiguous() for k, v in lora_state_dict(model).items()}
     meta = config.to_dict()
     meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
-    # "format" lets other safetensors readers know the framework; the second
-    # entry is where diffusers looks for the LoRA config of a weights file.
+    # "format" tells safetensors readers the framework. "lora_adapter_metadata"
+    # is where diffusers' load_lora_adapter looks for the LoraConfig (without
+    # it diffusers guesses alpha = rank). Diffusers scopes these config keys by
+    # the same prefix as the weight keys and strips both with `prefix=`, so they
+    # carry the "base_model.model." prefix too.
+    meta = {PEFT_FILE_PREFIX + k: v for k, v in meta.items()}
     save_file(state, str(directory / PEFT_WEIGHTS), metadata={
         "format": "pt", "lora_adapter_metadata": json.dumps(meta, sort_keys=True)})
     config.save_pretrained(str(directory))

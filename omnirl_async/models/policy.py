@@ -141,7 +141,7 @@ class FlowMatchPolicy:
         self.family = family
         self.path = path
         self.mode = "frozen"
-        for name, module in pipeline.components.items():
+        for module in pipeline.components.values():
             if isinstance(module, torch.nn.Module):
                 module.requires_grad_(False)
                 module.eval()

@@ -22,7 +22,9 @@ from typing import Callable
 __all__ = ["load_custom_reward_fn"]
 
 
-def load_custom_reward_fn(path: str | os.PathLike, name: str, *, key: str = "reward.custom_reward_function") -> Callable:
+def load_custom_reward_fn(
+    path: str | os.PathLike, name: str, *, key: str = "reward.custom_reward_function"
+) -> Callable:
     """Execute the file at ``path`` and return its attribute ``name``.
 
     ``key`` is the config path named in error messages. Raises ``ValueError``

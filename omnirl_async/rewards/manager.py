@@ -167,9 +167,10 @@ class RewardManager:
         elif functions:
             comps = []
             for key, entry in functions.items():
+                is_mapping = isinstance(entry, Mapping)
                 entry = _to_dict(entry, f"reward.reward_functions.{key}")
                 unknown = set(entry) - {"path", "name", "weight", "kwargs"}
-                if unknown:
+                if is_mapping and unknown:  # typed config objects are checked by their schema
                     raise ValueError(
                         f"`reward.reward_functions.{key}` has unknown keys {sorted(unknown)}; "
                         "allowed: path, name, weight, kwargs"

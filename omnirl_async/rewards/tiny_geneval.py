@@ -91,6 +91,12 @@ _REL_ID = {None: 0, "and": 0, **{r: i + 1 for i, r in enumerate(SPATIAL_RELATION
 _PALETTE_RGB = np.array([(0, 0, 0)] + list(PALETTE.values()), dtype=np.float32)
 _PALETTE_SQ = (_PALETTE_RGB[1:] ** 2).sum(1)
 
+#: Shape thresholds, midway between the renderer's classes (see module docstring):
+#: upward triangles hold ≥ 0.667 of their pixels in the lower half of the box,
+#: circles and squares 0.5; squares fill 1.0 of their box, circles ≤ 0.84.
+TRIANGLE_MIN_BOTTOM = 0.6
+SQUARE_MIN_FILL = 0.92
+
 # scipy structure: 8-connected inside one (image, colour) plane, nothing across planes.
 _STRUCTURE = np.zeros((3, 3, 3, 3), dtype=bool)
 _STRUCTURE[1, 1] = True
@@ -253,7 +259,8 @@ def find_objects(
     bottom = np.bincount(lab, weights=lower, minlength=m) / safe
     fill = area / np.maximum(h * w, 1.0)
 
-    shape = np.where(bottom > 0.6, _SHAPE_ID["triangle"], np.where(fill >= 0.92, _SHAPE_ID["square"], _SHAPE_ID["circle"]))
+    shape = np.where(fill >= SQUARE_MIN_FILL, _SHAPE_ID["square"], _SHAPE_ID["circle"])
+    shape = np.where(bottom > TRIANGLE_MIN_BOTTOM, _SHAPE_ID["triangle"], shape)
     shape = np.where(np.maximum(h, w) > max_aspect * np.minimum(h, w), _OTHER, shape)
     keep = area >= min_area
     keep[0] = False

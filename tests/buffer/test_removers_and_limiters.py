@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -65,26 +67,29 @@ def test_ratio_window_holds_and_never_deadlocks(spi, min_size, n, m, extra, step
     eb = None if extra is None else SampleToInsertRatio(spi, min_size).min_error_buffer(n, m) + extra
     lim = SampleToInsertRatio(spi, min_size, eb)
     lim.observe(insert_size=n, sample_size=m)
-    stock = 0  # stored samples (max_times_sampled=1: a sample leaves when drawn)
+    mts = max(1, math.ceil(spi))  # the buffer refuses samples_per_insert > max_times_sampled
+    draws = 0  # draws the stored samples can still give
+    stock = 0
     for want_insert in steps:
         can_i = lim.can_insert(n)
-        can_s = lim.can_sample(m, size=stock) and stock >= m
+        can_s = lim.can_sample(m, size=stock) and draws >= m
         assert can_i or can_s, lim.describe()
         if (want_insert and can_i) or not can_s:
             lim.on_insert(n)
             stock += n
+            draws += n * mts
             assert lim.diff <= lim.target + lim.window + 1e-9
         else:
             lim.on_sample(m)
-            stock -= m
+            draws -= m
             assert lim.diff >= lim.target - lim.window - 1e-9
 
 
 def test_ratio_must_deadlock_raises_might_warns(caplog):
     lim = SampleToInsertRatio(1.0, 0, error_buffer=2.0)
-    with pytest.raises(ValueError, match=r"`buffer.samples_per_insert_error_buffer` = 2 must deadlock.*>= 16"):
+    with pytest.raises(ValueError, match=r"`buffer.samples_per_insert_error_buffer` = 2 can deadlock.*>= 24"):
         lim.observe(insert_size=8, sample_size=16)
-    lim = SampleToInsertRatio(1.0, 0, error_buffer=16.0)
+    lim = SampleToInsertRatio(1.0, 0, error_buffer=30.0)
     with caplog.at_level("WARNING"):
         lim.observe(insert_size=8, sample_size=16)
     assert "tight" in caplog.text

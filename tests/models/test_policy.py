@@ -250,8 +250,8 @@ def test_decode_gives_uint8_images_like_the_pipeline(policy):
     assert imgs.shape == (2, HEIGHT, WIDTH, 3) and imgs.dtype == np.uint8
     assert imgs.max() > imgs.min()
     # the pipeline's own decode of the same final latents (1 Euler step from x)
-    kw = dict(prompt_embeds=emb.prompt_embeds.expand(2, -1, -1), pooled_prompt_embeds=emb.pooled_prompt_embeds.expand(2, -1),
-              latents=x.clone(), height=HEIGHT, width=WIDTH, num_inference_steps=1, output_type="np",
+    kw = dict(prompt_embeds=emb.prompt_embeds.expand(2, -1, -1),
+              pooled_prompt_embeds=emb.pooled_prompt_embeds.expand(2, -1), latents=x.clone(), height=HEIGHT, width=WIDTH, num_inference_steps=1, output_type="np",
               guidance_scale=1.0 if policy.family == "sd3" else 3.5, return_dict=False)
     ref = policy.pipeline(**kw)[0]
     v = policy.predict_velocity(x, torch.ones(2), emb)

@@ -196,3 +196,35 @@ def test_default_is_tiny_geneval_and_pickles():
     assert mgr(images, ["purple elephants", "a red circle"]).failed.all()
     # a dict-like config (e.g. OmegaConf / plain dict) works too
     assert RewardManager.from_config({"reward_functions": {"brightness": {}}}).names == ["brightness"]
+
+
+def test_typed_dataclass_config():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Entry:
+        path: str | None = None
+        name: str | None = None
+        weight: float = 1.0
+        kwargs: dict = dataclasses.field(default_factory=dict)
+
+    @dataclasses.dataclass
+    class Custom:
+        path: str | None = None
+        name: str | None = None
+
+    @dataclasses.dataclass
+    class RewardConfig:
+        num_workers: int = 2
+        custom_reward_function: Custom = dataclasses.field(default_factory=Custom)
+        reward_functions: dict = dataclasses.field(default_factory=dict)
+        aggregation: str = "weighted_sum"
+        reward_kwargs: dict = dataclasses.field(default_factory=dict)
+
+    mgr = RewardManager.from_config(RewardConfig(reward_functions={
+        "b": Entry(name="brightness", weight=3.0), "i": Entry(name="test_mgr_index", kwargs={"offset": 1.0})}))
+    images, prompts = batch()
+    expected = 3.0 * get_reward_fn("brightness")(images, prompts) + np.arange(4) + 1.0
+    np.testing.assert_allclose(mgr(images, prompts).scores, expected, rtol=1e-6)
+    assert mgr.num_workers == 2
+    assert RewardManager.from_config(RewardConfig()).names == ["tiny_geneval"]
