@@ -1,6 +1,8 @@
 """``omnirl-async`` command line.
 
     omnirl-async train [--config-name NAME] [--config-dir DIR] key=value ...
+    omnirl-async eval [--lora DIR] [--out DIR] [key=value ...]
+                                                 score the held-out prompts, save an image grid
     omnirl-async config [key=value ...]          print the resolved, validated config
     omnirl-async build-tiny {sd3,flux} DIR       write a tiny random-weight pipeline folder
 
@@ -41,6 +43,60 @@ def cmd_train(args) -> int:
     return 0
 
 
+def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
+    from omnirl_async.data.prompts import heldout_prompts, read_prompts
+
+    files = data_cfg.val_files
+    if files is None:
+        prompts = heldout_prompts()
+    else:
+        prompts = [p for f in ([files] if isinstance(files, str) else files) for p in read_prompts(f)]
+    return prompts[:limit] if limit else prompts
+
+
+def cmd_eval(args) -> int:
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from omnirl_async.learners.learner import build_policy, pick_device
+    from omnirl_async.rewards import RewardManager
+    from omnirl_async.trainer.validation import evaluate_policy, save_grid
+
+    cfg = _load(args)
+    torch.set_num_threads(args.threads)
+    model_cfg = cfg.actor_rollout_ref.model
+    if args.lora:
+        lora = Path(args.lora)
+        if (lora / "lora" / "adapter_config.json").is_file():  # a checkpoint step folder
+            lora = lora / "lora"
+        if not (lora / "adapter_config.json").is_file():
+            print(f"omnirl-async: `--lora` {args.lora!r} is neither a PEFT adapter folder nor a checkpoint "
+                  "folder with lora/ inside", file=sys.stderr)
+            return 2
+        model_cfg = dataclasses.replace(model_cfg, lora_adapter_path=str(lora))
+    policy = build_policy(model_cfg, pick_device(cfg.trainer.device), seed=cfg.data.seed)
+    prompts = load_val_prompts(cfg.data, args.num_prompts or cfg.data.val_max_samples)
+    reward = RewardManager.from_config(cfg.reward)
+    res = evaluate_policy(policy, reward, prompts, cfg.actor_rollout_ref.rollout.val_kwargs, seed=args.seed,
+                          progress=True, negative_prompt=cfg.actor_rollout_ref.rollout.pipeline.negative_prompt)
+    who = f"LoRA {args.lora}" if args.lora else f"base model {model_cfg.path}"
+    print(f"\n{who}: {len(res.prompts)} images of {len(prompts)} prompts")
+    for key, value in res.metrics.items():
+        print(f"  {key:<34} {value:.4f}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    strict_key = next((k for k in res.extra if k.endswith("strict")), None)
+    marks = res.extra[strict_key][: args.grid] > 0.5 if strict_key else None
+    grid = save_grid(res.images[: args.grid], res.prompts[: args.grid], out / "grid.png", marks=marks,
+                     title=f"{who}  strict={res.metrics.get('val/strict', float('nan')):.3f}")
+    (out / "metrics.json").write_text(json.dumps(res.metrics, indent=2))
+    print(f"grid: {grid}\nmetrics: {out / 'metrics.json'}")
+    return 0
+
+
 def cmd_config(args) -> int:
     from omnirl_async.config.loader import to_yaml
 
@@ -62,6 +118,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run a training job")
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("eval", help="score held-out prompts with the base model or a LoRA checkpoint")
+    p.add_argument("--lora", default=None, help="PEFT adapter folder or checkpoint folder (global_step_N)")
+    p.add_argument("--out", default="eval_out", help="folder for grid.png and metrics.json")
+    p.add_argument("--num-prompts", type=int, default=None, help="cap on prompts (default data.val_max_samples)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--grid", type=int, default=32, help="images in the grid")
+    p.add_argument("--threads", type=int, default=2)
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("config", help="print the resolved config")
     _add_config_args(p)
     p.set_defaults(fn=cmd_config)
