@@ -43,17 +43,6 @@ def cmd_train(args) -> int:
     return 0
 
 
-def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
-    from omnirl_async.data.prompts import heldout_prompts, read_prompts
-
-    files = data_cfg.val_files
-    if files is None:
-        prompts = heldout_prompts()
-    else:
-        prompts = [p for f in ([files] if isinstance(files, str) else files) for p in read_prompts(f)]
-    return prompts[:limit] if limit else prompts
-
-
 def cmd_eval(args) -> int:
     import dataclasses
     import json
@@ -63,6 +52,7 @@ def cmd_eval(args) -> int:
 
     from omnirl_async.learners.learner import build_policy, pick_device
     from omnirl_async.rewards import RewardManager
+    from omnirl_async.trainer.task_runner import load_val_prompts
     from omnirl_async.trainer.validation import evaluate_policy, save_grid
 
     cfg = _load(args)

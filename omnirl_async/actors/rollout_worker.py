@@ -76,6 +76,15 @@ class RolloutWorker:
         self.version = version
         return self.version
 
+    def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:
+        """Score ``prompts`` with ``rollout.val_kwargs`` and the weights this worker holds."""
+        from omnirl_async.trainer.validation import evaluate_policy
+
+        res = evaluate_policy(self.policy, self.reward, prompts, self.rollout_cfg.val_kwargs, seed=seed,
+                              negative_prompt=self.rollout_cfg.pipeline.negative_prompt)
+        return {"metrics": res.metrics, "images": res.images, "prompts": res.prompts,
+                "strict": next((v for k, v in res.extra.items() if k.endswith("strict")), None)}
+
     # ------------------------------------------------------------------ generation
     def generate(self, leases: list[PromptLease], *, iteration: int | None = None) -> GeneratedBatch:
         """Generate and score every lease; returns (metas, fields, stats) for whole groups."""
@@ -94,25 +103,34 @@ class RolloutWorker:
             neg = [lease.negative_prompt or pcfg.negative_prompt] * lease.n if pcfg.true_cfg_scale > 1 else None
             emb = self.policy.encode_prompt([lease.prompt], negative_prompts=neg[:1] if neg else None,
                                             max_sequence_length=pcfg.max_sequence_length)
-            emb = emb.repeat_interleave(lease.n)
-            out = sample_with_logprob(
-                self.policy, emb, seeds=sample_seeds(lease), height=pcfg.height, width=pcfg.width,
-                num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
-                sde_type=acfg.sde_type, window=window, true_cfg_scale=pcfg.true_cfg_scale,
-                guidance_scale=pcfg.guidance_scale,
-                shared_noise_groups=[0] * lease.n if acfg.sde_type == "dance" else None)
+            seeds = sample_seeds(lease)
+            micro = self.rollout_cfg.micro_batch_size or lease.n
+            parts = []
+            for lo in range(0, lease.n, micro):
+                chunk = seeds[lo:lo + micro]
+                if acfg.sde_type == "dance" and lo > 0:  # DanceGRPO: the whole group shares its initial noise
+                    chunk = [seeds[0]] + chunk
+                out = sample_with_logprob(
+                    self.policy, emb.repeat_interleave(len(chunk)), seeds=chunk, height=pcfg.height,
+                    width=pcfg.width, num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
+                    sde_type=acfg.sde_type, window=window, true_cfg_scale=pcfg.true_cfg_scale,
+                    guidance_scale=pcfg.guidance_scale,
+                    shared_noise_groups=[0] * len(chunk) if acfg.sde_type == "dance" else None)
+                part = out.to_fields()
+                if acfg.sde_type == "dance" and lo > 0:
+                    part = {k: v[1:] for k, v in part.items()}
+                parts.append(part)
+            fields = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
             t1 = time.perf_counter()
-            scored = self.reward(out.images, prompts)
+            scored = self.reward(fields["images"], prompts)
             t2 = time.perf_counter()
             t_gen += t1 - t0
             t_reward += t2 - t1
-            fields = out.to_fields()
-            fields.update({f"emb.{k}": v for k, v in emb.to_numpy().items()})
+            fields.update({f"emb.{k}": v for k, v in emb.repeat_interleave(lease.n).to_numpy().items()})
             fields["rewards"] = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
             for name, arr in scored.extra.items():
                 fields["extra." + name.replace("/", ".")] = np.asarray(arr, dtype=np.float32)
             chunks.append(fields)
-            seeds = sample_seeds(lease)
             for k in range(lease.n):
                 failed = bool(scored.failed[k])
                 tags = SampleTags(uid=new_uid(), group_uid=lease.group_uid, sample_index=k, group_size=lease.n,

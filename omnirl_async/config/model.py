@@ -45,7 +45,8 @@ class DiffusionModelConfig:
                                  not_built=None)
     exclude_modules: Any = opt(None, "Module-name patterns excluded from LoRA (list or regex string).")
     lora_adapter_path: Any = opt(None, "PEFT adapter folder to continue training from.")
-    policy_state_adapters: Any = opt(None, "Named LoRA policy states the algorithm needs; null = ['default'].")
+    policy_state_adapters: Any = opt(None, "Named LoRA policy states the algorithm needs; null = ['default']. "
+                                     "The reference policy is always the base with the adapter disabled.")
     lora_dtype: Any = opt(None, "Cast LoRA params to this dtype; null = keep.",
                           choices=(None, "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"))
     fsdp_layer_prefixes: Any = opt(None, "Accepted for compatibility; this project does not shard with FSDP.")
@@ -57,6 +58,10 @@ class DiffusionModelConfig:
             if getattr(self, key) is not None:
                 raise ValueError(f"`{path}.{key}` = {getattr(self, key)!r}: loading components from outside the "
                                  "pipeline folder is not built yet; put them under `path` (null).")
+        if self.policy_state_adapters not in (None, ["default"], ("default",)) and \
+                list(self.policy_state_adapters) not in (["default"], ["default", "reference"]):
+            raise ValueError(f"`{path}.policy_state_adapters` = {list(self.policy_state_adapters)!r}: extra named "
+                             "adapters (e.g. 'old' for DiffusionNFT) are not built yet; use ['default'].")
         if self.target_parameters not in (None, [], ()):
             raise ValueError(f"`{path}.target_parameters` = {self.target_parameters!r}: LoRA on raw parameters "
                              "is not built yet; use target_modules.")

@@ -67,8 +67,11 @@ class DiffusionRolloutConfig:
     n: int = opt(4, "Samples per prompt (GRPO group size).", gt=0)
     seed: Any = opt(42, "Base seed; per step the seed is seed + global_step - 1; null disables seeding.")
     num_workers: int = opt(2, "Rollout worker actors.", gt=0)
-    micro_batch_size: Any = opt(None, "Samples per generation forward; null = one group (n).", gt=0)
-    calculate_log_probs: bool = opt(True, "Record behaviour log-probs (always on for policy gradient).")
+    micro_batch_size: Any = opt(None, "Samples per generation forward; null = one whole group (n) at a time.",
+                                gt=0)
+    calculate_log_probs: bool = opt(True, "Record behaviour log-probs (policy gradient needs them).",
+                                    not_built={False: "policy-gradient training needs behaviour log-probs; "
+                                               "keep calculate_log_probs=true"})
     rollout_adapter: str = opt("default", "Adapter used for generation.", choices=("default", "old"),
                                not_built={"old": "the 'old' generation adapter (DiffusionNFT) is not built yet"})
     num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per rollout worker.", gt=0)

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from omnirl_async.algos import compute_flow_grpo_outcome_advantage, compute_rollout_correction, get_diffusion_loss_fn
+from omnirl_async.algos import compute_rollout_correction, get_diffusion_adv_estimator_fn, get_diffusion_loss_fn
 from omnirl_async.models.policy import FlowMatchPolicy, PromptEmbeds
 from omnirl_async.models.resolve import resolve_model_path
 from omnirl_async.models.sde import sde_step_with_logprob
@@ -105,6 +105,7 @@ class Learner:
         self.scheduler = self.configure_lr_scheduler()
         self.loss_fn = get_diffusion_loss_fn(self.actor_cfg.diffusion_loss.loss_mode)(
             self.actor_cfg.diffusion_loss, self.actor_cfg)
+        self.adv_fn = get_diffusion_adv_estimator_fn(self.algo_cfg.adv_estimator)
         self.global_step = 0
         self.rng = torch.Generator().manual_seed(int(config.data.seed) * 1000 + rank)
 
@@ -136,7 +137,7 @@ class Learner:
         # copies: arrays from the object store are read-only views
         batch = {k: torch.from_numpy(np.array(v)) for k, v in fields.items() if k != "images"}
         rewards = batch["rewards"].float()
-        adv, adv_metrics = compute_flow_grpo_outcome_advantage(
+        adv, adv_metrics = self.adv_fn(
             rewards, group_ids, norm_adv_by_std_in_grpo=self.algo_cfg.norm_adv_by_std_in_grpo,
             global_std=self.algo_cfg.global_std, adv_clip_max=self.actor_cfg.diffusion_loss.adv_clip_max,
             adv_mode=self.algo_cfg.adv_mode)

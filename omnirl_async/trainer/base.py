@@ -56,6 +56,7 @@ class BaseTrainer:
                                       max_to_keep=config.trainer.max_actor_ckpt_to_keep)
         self.tracking = Tracking(config.trainer, printer=printer)
         self.weight_bytes = 0
+        self._val_prompts: list[str] | None = None
 
     def sampler_config(self):
         """``trainer.v1.sampler`` as this mode applies it (sync: threshold 0)."""
@@ -106,6 +107,39 @@ class BaseTrainer:
         self.publish_weights()
         self.printer(f"resumed from {folder} at step {self.global_step} (policy version {self.version})")
         return True
+
+    # ------------------------------------------------------------------ validation and dumps
+    def should_validate(self, done: bool) -> bool:
+        freq = self.config.trainer.test_freq
+        return freq > 0 and (done or self.global_step % freq == 0)
+
+    def validate(self) -> dict[str, float]:
+        """Score the validation prompts on rollout worker 0 (it holds the newest weights)."""
+        import ray
+
+        from omnirl_async.trainer.task_runner import load_val_prompts
+        from omnirl_async.trainer.validation import save_grid
+
+        if self._val_prompts is None:
+            self._val_prompts = load_val_prompts(self.config.data, self.config.data.val_max_samples)
+        out = ray.get(self.workers[0].validate.remote(self._val_prompts, seed=self.config.data.seed))
+        cap = self.config.trainer.validation_data_max_samples or 32
+        strict = out["strict"][:cap] > 0.5 if out["strict"] is not None else None
+        save_grid(out["images"][:cap], out["prompts"][:cap],
+                  Path(self.config.trainer.default_local_dir) / "validation" / f"step_{self.global_step}.png",
+                  marks=strict, title=f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}")
+        return out["metrics"]
+
+    def dump_rollout(self, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> None:
+        tcfg = self.config.trainer
+        if tcfg.rollout_data_save_freq <= 0 or self.global_step % tcfg.rollout_data_save_freq:
+            return
+        from omnirl_async.trainer.validation import save_grid
+
+        cap = tcfg.rollout_data_max_samples or len(images)
+        captions = [f"{r:.2f} {p}" for p, r in zip(prompts[:cap], rewards[:cap])]
+        save_grid(images[:cap], captions, Path(tcfg.default_local_dir) / "rollout_data" / f"step_{self.global_step}.png",
+                  cols=self.n)
 
     # ------------------------------------------------------------------ run control
     def total_steps(self) -> int:

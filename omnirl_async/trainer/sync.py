@@ -38,20 +38,22 @@ class SyncTrainer(BaseTrainer):
         with timer("gen"):
             refs = [w.generate.remote(s) for w, s in zip(self.workers, shards) if s]
             outputs = ray.get(refs)
-        metas_all, rewards, failed, extras, stats = [], [], [], {}, []
+        metas_all, rewards, failed, extras, stats, images = [], [], [], {}, [], []
         for shard, (metas, fields, st) in zip([s for s in shards if s], outputs):
             self.buffer.put(metas, fields)
             self.dispatcher.complete([lease.lease_id for lease in shard])
             metas_all.extend(metas)
             rewards.append(fields["rewards"])
+            images.append(fields["images"])
             failed.append(np.array([m.status.value == "failure" for m in metas]))
             for k, v in fields.items():
                 if k.startswith("extra."):
                     extras.setdefault(k[len("extra."):].replace(".", "/"), []).append(v)
             stats.append(st)
+        images = np.concatenate(images)
         gen = {"rewards": np.concatenate(rewards), "failed": np.concatenate(failed),
                "extras": {k: np.concatenate(v) for k, v in extras.items()}, "stats": reduce_metrics(stats),
-               "num": len(metas_all)}
+               "num": len(metas_all), "images": images, "prompts": [m.tags.prompt for m in metas_all]}
         return gen
 
     def train(self, timer: Timer) -> tuple[dict[str, float], np.ndarray, int]:
@@ -69,6 +71,8 @@ class SyncTrainer(BaseTrainer):
         total = self.total_steps()
         if self.global_step == 0:
             self.publish_weights()
+        if self.config.trainer.val_before_train:
+            self.tracking.log(self.validate(), self.global_step)
         bar = tqdm(total=total, initial=self.global_step, desc="sync FlowGRPO", unit="step",
                    disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
         deadline = None
@@ -90,6 +94,10 @@ class SyncTrainer(BaseTrainer):
                 if self.should_save(done):
                     with timer("save_checkpoint"):
                         self.save_checkpoint()
+                self.dump_rollout(gen["images"], gen["prompts"], gen["rewards"])
+                if self.should_validate(done):
+                    with timer("testing"):
+                        metrics.update(self.validate())
                 timer.times["step"] = time.perf_counter() - t_step
                 metrics.update(gen["stats"])
                 metrics.pop("timing_s/gen", None)  # worker-side time; the wall-clock one is in timer

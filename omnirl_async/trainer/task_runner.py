@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from omnirl_async.data.prompts import read_prompts, train_prompts
+from omnirl_async.data.prompts import heldout_prompts, read_prompt_rows, train_prompts
 
-__all__ = ["TaskRunner", "load_train_prompts", "init_ray"]
+__all__ = ["TaskRunner", "load_train_prompts", "load_val_prompts", "read_prompt_files", "init_ray"]
 
 
 def load_train_prompts(data_cfg) -> list[str]:
@@ -14,12 +14,45 @@ def load_train_prompts(data_cfg) -> list[str]:
     if files is None:
         return train_prompts()
     files = [files] if isinstance(files, str) else list(files)
+    return read_prompt_files(files, data_cfg.prompt_key, "data.train_files")
+
+
+def read_prompt_files(files: list[str], prompt_key: str, what: str) -> list[str]:
+    """Prompts from .jsonl (field ``prompt_key``) or .txt files; a row without it is an error naming file:line."""
     prompts: list[str] = []
     for f in files:
-        prompts.extend(read_prompts(os.path.expanduser(f)))
+        path = os.path.expanduser(f)
+        if prompt_key == "prompt" or path.endswith(".txt"):
+            prompts.extend(row["prompt"] for row in read_prompt_rows(path))
+            continue
+        import json
+
+        with open(path, encoding="utf-8") as fh:
+            for lineno, line in enumerate(fh, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}).") from None
+                if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
+                    raise ValueError(f"{path}:{lineno}: row has no string {prompt_key!r} field "
+                                     f"(`data.prompt_key` = {prompt_key!r}).")
+                prompts.append(row[prompt_key])
     if not prompts:
-        raise ValueError(f"`data.train_files` = {files!r} holds no prompts.")
+        raise ValueError(f"`{what}` = {files!r} holds no prompts.")
     return prompts
+
+
+def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
+    """Validation prompts: ``data.val_files`` or the embedded held-out shapes prompts, capped at ``limit``."""
+    files = data_cfg.val_files
+    if files is None:
+        prompts = heldout_prompts()
+    else:
+        files = [files] if isinstance(files, str) else list(files)
+        prompts = read_prompt_files(files, data_cfg.prompt_key, "data.val_files")
+    return prompts[:limit] if limit else prompts
 
 
 def required_cpus(config) -> float:

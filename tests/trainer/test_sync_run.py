@@ -33,7 +33,10 @@ def base_overrides(small_overrides):
 def test_sync_run_trains_logs_checkpoints_and_resumes_exactly(ray_cluster, base_overrides, tmp_path):
     printed: list[str] = []
     a = tmp_path / "a"
-    summary = _run(base_overrides + ["trainer.total_training_steps=4"], a, printed)
+    summary = _run(base_overrides + ["trainer.total_training_steps=4", "trainer.test_freq=4",
+                                     "data.val_max_samples=6", "trainer.rollout_data_save_freq=2",
+                                     "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4"],
+                   a, printed)
     assert summary["global_step"] == 4 and summary["version"] == 4
 
     # 1. the LoRA weights moved away from their init (peft gaussian init: B = 0)
@@ -51,6 +54,9 @@ def test_sync_run_trains_logs_checkpoints_and_resumes_exactly(ray_cluster, base_
                 "training/off_policy/trajectory_staleness/max"):
         assert [s for s, _ in scalars[tag]] == [1, 2, 3, 4], tag
     assert all(v == 0 for _, v in scalars["training/off_policy/trajectory_staleness/max"])  # sync = on-policy
+    assert [s for s, _ in scalars["val/score"]] == [4] and "val/clause/count" in scalars
+    assert (a / "ckpt" / "validation" / "step_4.png").is_file()
+    assert sorted(p.name for p in (a / "ckpt" / "rollout_data").iterdir()) == ["step_2.png", "step_4.png"]
 
     # 3. resuming from step 2 reproduces steps 3-4 of the uninterrupted run
     b = tmp_path / "b"

@@ -1,0 +1,423 @@
+"""Pretrain the shapes text-to-image model (the embedded default) on 2 CPU cores.
+
+::
+
+    python -m omnirl_async.models.pretrain --out DIR --seed 0 --minutes 25
+
+Two stages, both on the renderer's stream of *training* prompts
+(:func:`omnirl_async.data.prompts.train_prompts`; the held-out prompts are
+never rendered here):
+
+1. **Autoencoder** (``--ae-fraction`` of the budget): the ``AutoencoderKL`` of
+   :mod:`omnirl_async.models.shapes_model` learns 32x32x3 <-> 4x16x16 with an
+   L1 + MSE reconstruction loss and a small KL term. Afterwards its latent
+   statistics set ``shift_factor``/``scaling_factor`` (so latents are ~N(0, 1)
+   per element) and the reconstruction accuracy under ``tiny_geneval`` is
+   measured and logged.
+2. **Flow matching** (the rest): the SD3 transformer and both CLIP text
+   encoders learn jointly: ``x_t = (1 - t) x0 + t eps``, target ``v = eps - x0``,
+   ``t = shift(u)`` with ``u`` logit-normal(0, 1) and SD3's shift 3 (the density
+   the inference grid visits), 10 % of the prompts dropped to ``""`` (so true
+   CFG works), AdamW with warm-up and cosine decay, EMA of the weights (the EMA
+   weights are what is saved).
+
+Reproducibility: everything is seeded. With ``--minutes`` the number of steps
+of each stage is fixed after timing the first steps (logged); passing
+``--ae-steps``/``--flow-steps`` with those numbers reruns the same schedule on
+any machine. The output folder is a ``StableDiffusion3Pipeline`` written with
+``save_pretrained`` (safetensors, fp32) plus ``pretrain_log.json`` (arguments,
+step counts, loss curve, periodic sample accuracy on training prompts).
+
+Evaluation of a saved folder the way the RL system samples
+(:func:`evaluate`, also ``--eval-only``)::
+
+    python -m omnirl_async.models.pretrain --eval-only omnirl_async/assets/shapes-t2i
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import math
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from omnirl_async.data.prompts import CATEGORIES, enumerate_prompts, heldout_prompts, prompt_category, train_prompts
+from omnirl_async.data.shapes import CATEGORY_WEIGHTS, render_batch
+from omnirl_async.models.shapes_model import (
+    MAX_SEQUENCE_LENGTH,
+    ShapesModelConfig,
+    build_shapes_pipeline,
+    build_vae,
+    encode_prompts,
+)
+
+logger = logging.getLogger(__name__)
+
+#: Where the committed model lives inside the package.
+ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "shapes-t2i"
+
+
+# --------------------------------------------------------------------------- data
+class PromptStream:
+    """Seeded stream of (prompts, images) from the training prompts.
+
+    A category is drawn with :data:`~omnirl_async.data.shapes.CATEGORY_WEIGHTS`
+    (so single objects and counting are not drowned by the ~2,500 two-group
+    prompts), then a training prompt of that category uniformly.
+    """
+
+    def __init__(self, seed: int):
+        self.rng = np.random.default_rng(seed)
+        train = set(train_prompts())
+        self.by_cat = {c: [p for p in enumerate_prompts(c) if p in train] for c in CATEGORIES}
+        p = np.array([CATEGORY_WEIGHTS[c] for c in CATEGORIES])
+        self.p = p / p.sum()
+
+    def prompts(self, n: int) -> list[str]:
+        cats = self.rng.choice(len(CATEGORIES), size=n, p=self.p)
+        out = []
+        for c in cats:
+            pool = self.by_cat[CATEGORIES[c]]
+            out.append(pool[int(self.rng.integers(len(pool)))])
+        return out
+
+    def batch(self, n: int) -> tuple[list[str], torch.Tensor]:
+        prompts = self.prompts(n)
+        images, _ = render_batch(prompts, self.rng)
+        return prompts, to_tensor(images)
+
+
+def to_tensor(images: np.ndarray) -> torch.Tensor:
+    """uint8 [B, H, W, 3] -> float [B, 3, H, W] in [-1, 1]."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float().div(127.5).sub(1.0)
+
+
+def to_uint8(x: torch.Tensor) -> np.ndarray:
+    """Inverse of :func:`to_tensor` with the rounding of ``FlowMatchPolicy.decode``."""
+    img = (x.float() / 2 + 0.5).clamp(0, 1)
+    return (img * 255).round().to(torch.uint8).permute(0, 2, 3, 1).cpu().numpy()
+
+
+def _lr_factor(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
+    if step < warmup:
+        return (step + 1) / warmup
+    frac = min((step - warmup) / max(total - warmup, 1), 1.0)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+
+
+def _score(images: np.ndarray, prompts: list[str]) -> dict[str, float]:
+    from omnirl_async.rewards.tiny_geneval import clause_accuracy, tiny_geneval
+
+    out = tiny_geneval(images, prompts)
+    res = clause_accuracy(out)
+    res["score"] = float(np.mean(out["score"]))
+    return res
+
+
+def _plan_steps(step_fn, budget_s: float, fixed: int | None, probe: int = 8) -> tuple[int, float]:
+    """Run ``probe`` steps, return (total steps that fit into ``budget_s``, s/step)."""
+    t0 = time.perf_counter()
+    for i in range(probe):
+        step_fn(i, probe * 1000)  # warm-up steps: lr tiny anyway (warm-up phase)
+    per = (time.perf_counter() - t0) / probe
+    if fixed is not None:
+        return int(fixed), per
+    return max(int(budget_s / per), probe + 1), per
+
+
+# --------------------------------------------------------------------------- stage 1
+def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: float, steps: int | None,
+                      batch_size: int, lr: float, kl_weight: float, seed: int, log: dict, progress: bool):
+    from tqdm import tqdm
+
+    torch.manual_seed(seed)
+    vae = build_vae(cfg)
+    vae.train()
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    curve = log.setdefault("ae_loss", [])
+    state = {"total": 1}
+
+    def step(i: int, total: int) -> float:
+        for g in opt.param_groups:
+            g["lr"] = lr * _lr_factor(i, total, warmup=50)
+        _, x = stream.batch(batch_size)
+        post = vae.encode(x).latent_dist
+        z = post.sample()
+        rec = vae.decode(z).sample
+        l1 = (rec - x).abs().mean()
+        mse = (rec - x).pow(2).mean()
+        kl = post.kl().mean() / z[0].numel()
+        loss = l1 + mse + kl_weight * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss)
+
+    t_start = time.perf_counter()
+    probe = 8
+    total, per = _plan_steps(lambda i, t: step(i, t), seconds, steps, probe)
+    state["total"] = total
+    log["ae_steps"] = total
+    logger.info("autoencoder: %.3f s/step -> %d steps", per, total)
+    bar = tqdm(range(probe, total), desc="autoencoder", disable=not progress, file=sys.stderr)
+    ema = None
+    for i in bar:
+        loss = step(i, total)
+        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
+        if i % 50 == 0 or i == total - 1:
+            curve.append([i, round(ema, 5)])
+            bar.set_postfix(loss=f"{ema:.4f}")
+        if steps is None and time.perf_counter() - t_start > seconds * 1.15:
+            logger.warning("autoencoder: time budget exceeded at step %d of %d; stopping", i, total)
+            log["ae_steps_done"] = i + 1
+            break
+    bar.close()
+    vae.eval()
+    return vae
+
+
+@torch.no_grad()
+def calibrate_and_check_vae(vae, stream: PromptStream, n: int = 1024) -> dict:
+    """Set shift/scaling from latent statistics; measure reconstruction accuracy."""
+    prompts, x = stream.batch(n)
+    z = torch.cat([vae.encode(x[i:i + 256]).latent_dist.mode() for i in range(0, n, 256)])
+    mean, std = float(z.mean()), float(z.std())
+    vae.register_to_config(shift_factor=mean, scaling_factor=1.0 / std)
+    rec = torch.cat([vae.decode(z[i:i + 256]).sample for i in range(0, n, 256)])
+    res = _score(to_uint8(rec), prompts)
+    res.update(latent_mean=mean, latent_std=std, n=n)
+    return res
+
+
+# --------------------------------------------------------------------------- stage 2
+def _sigmas(scheduler, n: int) -> torch.Tensor:
+    sched = type(scheduler).from_config(scheduler.config)
+    sched.set_timesteps(num_inference_steps=n)
+    return sched.sigmas.float()
+
+
+@torch.no_grad()
+def quick_sample(pipe, prompts: list[str], seed: int, steps: int = 10) -> np.ndarray:
+    """ODE (Euler) samples with the same grid and noise layout as the RL sampler."""
+    pe, pooled = encode_prompts(pipe, prompts)
+    cfg = pipe.vae.config
+    c, h = pipe.transformer.config.in_channels, pipe.transformer.config.sample_size
+    gens = [torch.Generator().manual_seed(seed + i) for i in range(len(prompts))]
+    x = torch.cat([torch.randn((1, c, h, h), generator=g) for g in gens])
+    sig = _sigmas(pipe.scheduler, steps)
+    for i in range(steps):
+        t = sig[i].expand(len(prompts))
+        v = pipe.transformer(hidden_states=x, encoder_hidden_states=pe, pooled_projections=pooled,
+                             timestep=t * 1000.0, return_dict=False)[0]
+        x = x + (sig[i + 1] - sig[i]) * v
+    img = pipe.vae.decode(x / cfg.scaling_factor + cfg.shift_factor).sample
+    return to_uint8(img)
+
+
+def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None, batch_size: int, lr: float,
+               text_lr: float, ema_decay: float, dropout: float, seed: int, eval_every: int, log: dict,
+               progress: bool):
+    from tqdm import tqdm
+
+    torch.manual_seed(seed + 1)
+    vae = pipe.vae
+    vae.requires_grad_(False)
+    modules = {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder,
+               "text_encoder_2": pipe.text_encoder_2}
+    for m in modules.values():
+        m.train()
+        m.requires_grad_(True)
+    ema = {k: copy.deepcopy(m).eval().requires_grad_(False) for k, m in modules.items()}
+    groups = [{"params": list(pipe.transformer.parameters()), "lr": lr, "base": lr},
+              {"params": list(pipe.text_encoder.parameters()) + list(pipe.text_encoder_2.parameters()),
+               "lr": text_lr, "base": text_lr}]
+    opt = torch.optim.AdamW(groups, weight_decay=0.01, betas=(0.9, 0.99))
+    sf, sh = vae.config.scaling_factor, vae.config.shift_factor
+    shift = float(pipe.scheduler.config.shift)
+    rng = torch.Generator().manual_seed(seed + 2)
+    curve = log.setdefault("flow_loss", [])
+    evals = log.setdefault("flow_eval", [])
+    eval_prompts = stream.__class__(seed + 3).prompts(64)
+
+    def step(i: int, total: int) -> float:
+        for g in opt.param_groups:
+            g["lr"] = g["base"] * _lr_factor(i, total, warmup=200)
+        prompts, img = stream.batch(batch_size)
+        drop = torch.rand(batch_size, generator=rng) < dropout
+        prompts = ["" if d else p for p, d in zip(prompts, drop.tolist())]
+        with torch.no_grad():
+            x0 = (vae.encode(img).latent_dist.sample(generator=rng) - sh) * sf
+        u = torch.sigmoid(torch.randn(batch_size, generator=rng))
+        t = shift * u / (1 + (shift - 1) * u)
+        eps = torch.randn(x0.shape, generator=rng)
+        tb = t.view(-1, 1, 1, 1)
+        xt = (1 - tb) * x0 + tb * eps
+        pe, pooled = encode_prompts(pipe, prompts)
+        v = pipe.transformer(hidden_states=xt, encoder_hidden_states=pe, pooled_projections=pooled,
+                             timestep=t * 1000.0, return_dict=False)[0]
+        loss = (v - (eps - x0)).pow(2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        opt.step()
+        with torch.no_grad():
+            d = min(ema_decay, (1 + i) / (10 + i))
+            for k, m in modules.items():
+                for pe_, pm in zip(ema[k].parameters(), m.parameters()):
+                    pe_.lerp_(pm, 1 - d)
+        return float(loss)
+
+    def run_eval(i: int) -> None:
+        live = {k: getattr(pipe, k) for k in modules}
+        for k in modules:
+            setattr(pipe, k, ema[k])
+        res = _score(quick_sample(pipe, eval_prompts, seed=10_000), eval_prompts)
+        for k, m in live.items():
+            setattr(pipe, k, m)
+        evals.append({"step": i, **{k: round(v, 4) for k, v in res.items()}})
+        logger.info("flow step %d: train-prompt sample accuracy %s", i, evals[-1])
+
+    t_start = time.perf_counter()
+    probe = 8
+    total, per = _plan_steps(step, seconds * 0.97, steps, probe)  # ~3 % for the periodic evals
+    log["flow_steps"] = total
+    logger.info("flow: %.3f s/step -> %d steps", per, total)
+    bar = tqdm(range(probe, total), desc="flow matching", disable=not progress, file=sys.stderr)
+    avg = None
+    for i in bar:
+        loss = step(i, total)
+        avg = loss if avg is None else 0.98 * avg + 0.02 * loss
+        if i % 50 == 0 or i == total - 1:
+            curve.append([i, round(avg, 5)])
+            bar.set_postfix(loss=f"{avg:.4f}")
+        if eval_every and (i % eval_every == 0 or i == total - 1):
+            run_eval(i)
+        if steps is None and time.perf_counter() - t_start > seconds * 1.1:
+            logger.warning("flow: time budget exceeded at step %d of %d; stopping", i, total)
+            log["flow_steps_done"] = i + 1
+            run_eval(i)
+            break
+    bar.close()
+    for k in modules:
+        setattr(pipe, k, ema[k])
+    return pipe
+
+
+# --------------------------------------------------------------------------- evaluation
+def evaluate(folder, prompts: list[str] | None = None, *, seed: int = 0, noise_level: float = 0.0,
+             num_inference_steps: int = 10, batch_size: int = 64, policy=None) -> dict:
+    """Held-out accuracy of a saved model, sampled as the RL rollout does.
+
+    One sample per prompt (default: the 256 held-out prompts); sample ``i`` uses
+    seed ``seed + i``. ``noise_level`` 0 is the ODE sampler, > 0 the Flow-GRPO
+    SDE. Returns overall score/strict, per-clause accuracy and per-category
+    score/strict, plus the images.
+    """
+    from omnirl_async.models.policy import FlowMatchPolicy
+    from omnirl_async.models.sampler import sample_with_logprob
+    from omnirl_async.rewards.tiny_geneval import clause_accuracy, tiny_geneval
+
+    prompts = list(heldout_prompts() if prompts is None else prompts)
+    policy = policy or FlowMatchPolicy.from_pretrained(folder)
+    images = []
+    for s in range(0, len(prompts), batch_size):
+        chunk = prompts[s:s + batch_size]
+        emb = policy.encode_prompt(chunk, max_sequence_length=MAX_SEQUENCE_LENGTH)
+        out = sample_with_logprob(policy, emb, seeds=[seed + s + i for i in range(len(chunk))], height=32, width=32,
+                                  num_inference_steps=num_inference_steps, noise_level=noise_level, sde_type="sde")
+        images.append(out.images)
+    images = np.concatenate(images)
+    extra = tiny_geneval(images, prompts)
+    res = {"n": len(prompts), "score": float(np.mean(extra["score"])), **clause_accuracy(extra)}
+    cats = np.array([prompt_category(p) for p in prompts])
+    res["by_category"] = {
+        c: {"n": int((cats == c).sum()), "score": float(extra["score"][cats == c].mean()),
+            "strict": float(extra["strict"][cats == c].mean())}
+        for c in CATEGORIES if (cats == c).any()
+    }
+    res["images"] = images
+    return res
+
+
+def _fmt(res: dict) -> str:
+    lines = [f"n={res['n']}  score={res['score']:.3f}  strict={res['strict']:.3f}  " + "  ".join(
+        f"{t}={res[t]:.3f}" for t in ("color", "shape", "count", "position"))]
+    for c, r in res["by_category"].items():
+        lines.append(f"  {c:9s} n={r['n']:3d}  score={r['score']:.3f}  strict={r['strict']:.3f}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- main
+def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 0.2, ae_steps: int | None = None,
+             flow_steps: int | None = None, batch_size: int = 64, ae_batch_size: int = 32, lr: float = 1e-3,
+             text_lr: float = 1e-3, ae_lr: float = 2e-3, kl_weight: float = 1e-3, ema_decay: float = 0.998,
+             prompt_dropout: float = 0.1, eval_every: int = 500, threads: int = 2, progress: bool = True,
+             cfg: ShapesModelConfig = ShapesModelConfig()) -> Path:
+    """Train both stages and ``save_pretrained`` the pipeline into ``out``."""
+    torch.set_num_threads(int(threads))
+    t0 = time.perf_counter()
+    args = {k: v for k, v in locals().items() if k not in ("out", "cfg", "t0")}
+    args["out"] = str(out)
+    log: dict = {"args": args, "config": {k: list(v) if isinstance(v, tuple) else v
+                                          for k, v in vars(cfg).items()}}
+    budget = float(minutes) * 60.0
+    stream = PromptStream(seed)
+    vae = train_autoencoder(cfg, stream, seconds=budget * ae_fraction, steps=ae_steps, batch_size=ae_batch_size,
+                            lr=ae_lr, kl_weight=kl_weight, seed=seed, log=log, progress=progress)
+    log["ae_check"] = {k: round(v, 4) if isinstance(v, float) else v
+                       for k, v in calibrate_and_check_vae(vae, PromptStream(seed + 100)).items()}
+    logger.info("autoencoder reconstructions: %s", log["ae_check"])
+    log["ae_seconds"] = round(time.perf_counter() - t0, 1)
+    pipe = build_shapes_pipeline(seed, cfg, vae=vae)
+    remaining = budget - (time.perf_counter() - t0) - 20.0  # keep ~20 s for saving
+    train_flow(pipe, stream, seconds=remaining, steps=flow_steps, batch_size=batch_size, lr=lr, text_lr=text_lr,
+               ema_decay=ema_decay, dropout=prompt_dropout, seed=seed, eval_every=eval_every, log=log,
+               progress=progress)
+    log["total_seconds"] = round(time.perf_counter() - t0, 1)
+    out = Path(out)
+    pipe.save_pretrained(out, safe_serialization=True)
+    (out / "pretrain_log.json").write_text(json.dumps(log, indent=1))
+    logger.info("saved %s after %.1f min", out, log["total_seconds"] / 60)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m omnirl_async.models.pretrain", description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="output folder (a StableDiffusion3Pipeline is saved there)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--minutes", type=float, default=25.0, help="total wall-clock budget, both stages")
+    p.add_argument("--ae-fraction", type=float, default=0.2, help="share of the budget for the autoencoder")
+    p.add_argument("--ae-steps", type=int, default=None, help="fixed autoencoder steps (overrides the timing)")
+    p.add_argument("--flow-steps", type=int, default=None, help="fixed flow steps (overrides the timing)")
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--eval-every", type=int, default=500, help="steps between train-prompt sample checks (0: off)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--eval-only", metavar="FOLDER", help="only evaluate a saved model on the held-out prompts")
+    p.add_argument("--eval-seed", type=int, default=0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    if a.eval_only:
+        torch.set_num_threads(a.threads)
+        for nl in (0.0, 0.7):
+            res = evaluate(a.eval_only, seed=a.eval_seed, noise_level=nl)
+            print(f"noise_level={nl} (seed {a.eval_seed}, 10 steps):\n{_fmt(res)}")
+        return 0
+    if not a.out:
+        p.error("--out is required (or use --eval-only FOLDER)")
+    pretrain(a.out, seed=a.seed, minutes=a.minutes, ae_fraction=a.ae_fraction, ae_steps=a.ae_steps,
+             flow_steps=a.flow_steps, batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every, threads=a.threads,
+             progress=not a.no_progress)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
