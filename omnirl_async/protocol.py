@@ -67,6 +67,7 @@ class SampleTags(msgspec.Struct, kw_only=True):
     seed: int | None = None
     prompt: str = ""
     epoch: int = 0
+    ticket: int = -1  # position in the learner's training order (admission control); -1 = none
 
 
 class SampleMeta(msgspec.Struct, kw_only=True):
@@ -96,6 +97,7 @@ class PromptLease(msgspec.Struct, kw_only=True):
     seed: int | None = None
     global_step: int = 0
     negative_prompt: str | None = None
+    ticket: int = -1  # global training order of this prompt group (see actors/staleness.py)
 
 
 class WeightsInfo(msgspec.Struct, kw_only=True):

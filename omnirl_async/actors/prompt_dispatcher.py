@@ -6,9 +6,15 @@ until the worker completes it (its samples reached the buffer) or it is
 released (the worker failed or died); a released lease goes back to the front
 of the queue so that its prompt is generated again, still once per epoch.
 
-State (epoch, cursor, the order of the current epoch and the leases not yet
-completed) is saved with checkpoints; on restore outstanding leases return to
-the queue, so a crash neither loses nor duplicates a prompt.
+Every lease also carries a **ticket**, its place in the learner's training
+order; with an :class:`~omnirl_async.actors.staleness.AdmissionController` the
+dispatcher hands a ticket only to a worker whose policy version keeps the
+staleness bound (``wait`` strategy). A released lease keeps its ticket and
+group uid, so its samples keep their place when they are generated again.
+
+State (epoch, cursor, the order of the current epoch, tickets and the leases
+not yet completed) is saved with checkpoints; on restore outstanding leases
+return to the queue, so a crash neither loses nor duplicates a prompt.
 
 The class is plain Python; ``ray.remote(PromptDispatcher)`` makes it the
 shared actor of the asynchronous mode.
@@ -21,6 +27,7 @@ from collections import deque
 
 import numpy as np
 
+from omnirl_async.actors.staleness import AdmissionController
 from omnirl_async.protocol import PromptLease, new_uid
 
 __all__ = ["PromptDispatcher", "sample_seeds"]
@@ -37,20 +44,25 @@ def sample_seeds(lease: PromptLease) -> list[int | None]:
 class PromptDispatcher:
     def __init__(self, prompts: list[str], *, n: int, shuffle: bool = True, data_seed: int = 1,
                  rollout_seed: int | None = 42, total_epochs: int | None = None,
-                 negative_prompt: str | None = None):
+                 negative_prompt: str | None = None, admission: AdmissionController | None = None):
         if not prompts:
             raise ValueError("`prompts` is empty: the prompt dataset has no rows; check `data.train_files`.")
         self.prompts = list(prompts)
         self.n, self.shuffle, self.data_seed = n, shuffle, data_seed
         self.rollout_seed, self.total_epochs = rollout_seed, total_epochs
         self.negative_prompt = negative_prompt
+        self.admission = admission
         self._lock = threading.Lock()
+        self._next_ticket = 0
+        self._done_frontier = 0  # every ticket below this one is completed
+        self._done_above: set[int] = set()
+        self._paused = False
+        self._stopped = False
         self.epoch = 0
         self._order = self._epoch_order(0)
         self._cursor = 0
-        self._returned: deque[tuple[int, int]] = deque()  # (prompt index, epoch)
+        self._returned: deque[PromptLease] = deque()  # released leases, re-issued with the same ticket
         self._outstanding: dict[str, tuple[PromptLease, str]] = {}
-        self._completed_this_epoch = 0
 
     # ------------------------------------------------------------------ order
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -59,14 +71,17 @@ class PromptDispatcher:
             np.random.default_rng([self.data_seed, epoch]).shuffle(idx)
         return idx.tolist()
 
-    def _next_index(self) -> tuple[int, int] | None:
-        if self._returned:
-            return self._returned.popleft()
-        if self._cursor >= len(self._order):
-            return None
-        i = self._order[self._cursor]
-        self._cursor += 1
-        return i, self.epoch
+    def _admits(self, ticket: int, worker_version: int | None) -> bool:
+        if self.admission is None:
+            return True
+        return self.admission.admits(ticket, 0 if worker_version is None else worker_version)
+
+    def _take_returned(self, worker_version: int | None) -> PromptLease | None:
+        for k, lease in enumerate(self._returned):
+            if self._admits(lease.ticket, worker_version):
+                del self._returned[k]
+                return lease
+        return None
 
     def _maybe_advance_epoch(self) -> bool:
         """Start the next epoch once every prompt of this one was leased.
@@ -79,31 +94,40 @@ class PromptDispatcher:
             self.epoch += 1
             self._order = self._epoch_order(self.epoch)
             self._cursor = 0
-            self._completed_this_epoch = 0
             return True
         return False
 
     # ------------------------------------------------------------------ leases
-    def lease(self, num: int, *, global_step: int, worker_id: str = "driver",
+    def lease(self, num: int, *, global_step: int, worker_id: str = "driver", worker_version: int | None = None,
               cross_epoch: bool = True) -> list[PromptLease]:
-        """Up to ``num`` new leases. Fewer when the epoch (or the run) is exhausted.
+        """Up to ``num`` new leases; fewer when the run is exhausted, paused, or admission says wait.
 
-        With ``cross_epoch`` the next epoch starts when the current one is fully
-        leased, so one call may return prompts of two epochs.
+        ``worker_version`` is the policy version the worker will generate with;
+        admission control uses it. With ``cross_epoch`` the next epoch starts
+        when the current one is fully leased, so one call may return prompts
+        of two epochs.
         """
         out: list[PromptLease] = []
         with self._lock:
+            if self._paused or self._stopped:
+                return out
             while len(out) < num:
-                nxt = self._next_index()
-                if nxt is None:
-                    if cross_epoch and self._maybe_advance_epoch():
-                        continue
-                    break
-                i, epoch = nxt
-                seed = None if self.rollout_seed is None else int(self.rollout_seed) + global_step - 1
-                lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
-                                    epoch=epoch, index=i, n=self.n, seed=seed, global_step=global_step,
-                                    negative_prompt=self.negative_prompt)
+                lease = self._take_returned(worker_version)
+                if lease is not None:  # same ticket, group uid and seed; a new lease id
+                    lease = PromptLease(**{**_fields(lease), "lease_id": new_uid()})
+                else:
+                    if not self._admits(self._next_ticket, worker_version):
+                        break
+                    if self._cursor >= len(self._order):
+                        if self._returned or not (cross_epoch and self._maybe_advance_epoch()):
+                            break
+                    i = self._order[self._cursor]
+                    self._cursor += 1
+                    seed = None if self.rollout_seed is None else int(self.rollout_seed) + global_step - 1
+                    lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
+                                        epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=global_step,
+                                        negative_prompt=self.negative_prompt, ticket=self._next_ticket)
+                    self._next_ticket += 1
                 self._outstanding[lease.lease_id] = (lease, worker_id)
                 out.append(lease)
         return out
@@ -111,9 +135,13 @@ class PromptDispatcher:
     def complete(self, lease_ids: list[str]) -> None:
         with self._lock:
             for lid in lease_ids:
-                if self._outstanding.pop(lid, None) is None:
+                entry = self._outstanding.pop(lid, None)
+                if entry is None:
                     raise KeyError(f"lease {lid!r} is not outstanding (completed twice, or never leased)")
-                self._completed_this_epoch += 1
+                self._done_above.add(entry[0].ticket)
+            while self._done_frontier in self._done_above:
+                self._done_above.discard(self._done_frontier)
+                self._done_frontier += 1
 
     def release(self, lease_ids: list[str]) -> None:
         """Give leases back: their prompts are generated again (front of the queue)."""
@@ -121,7 +149,7 @@ class PromptDispatcher:
             for lid in reversed(lease_ids):
                 entry = self._outstanding.pop(lid, None)
                 if entry is not None:
-                    self._returned.appendleft((entry[0].index, entry[0].epoch))
+                    self._returned.appendleft(entry[0])
 
     def release_worker(self, worker_id: str) -> int:
         """Return every lease held by a (dead) worker; returns how many."""
@@ -130,10 +158,41 @@ class PromptDispatcher:
         self.release(ids)
         return len(ids)
 
+    def outstanding(self, worker_id: str | None = None) -> list[PromptLease]:
+        with self._lock:
+            return [lease for lease, w in self._outstanding.values() if worker_id is None or w == worker_id]
+
     def exhausted(self) -> bool:
+        """No prompt is left to lease in the whole run (leases may still be outstanding)."""
         with self._lock:
             last = self.total_epochs is not None and self.epoch + 1 >= self.total_epochs
-            return last and self._cursor >= len(self._order) and not self._returned and not self._outstanding
+            return last and self._cursor >= len(self._order) and not self._returned
+
+    def tickets_done(self) -> int:
+        """``N`` such that every ticket below ``N`` is completed (its samples reached the buffer)."""
+        with self._lock:
+            return self._done_frontier
+
+    def tickets_issued(self) -> int:
+        with self._lock:
+            return self._next_ticket
+
+    def on_update(self, updates_done: int) -> None:
+        """The learner finished ``updates_done`` updates (admission capacity grows)."""
+        if self.admission is not None:
+            self.admission.on_update(updates_done)
+
+    def pause(self, paused: bool = True) -> None:
+        with self._lock:
+            self._paused = paused
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+
+    def should_stop(self) -> bool:
+        with self._lock:
+            return self._stopped
 
     def num_outstanding(self) -> int:
         with self._lock:
@@ -142,10 +201,11 @@ class PromptDispatcher:
     # ------------------------------------------------------------------ state
     def get_state(self) -> dict:
         with self._lock:
-            pending = [list(p) for p in self._returned] + \
-                [[lease.index, lease.epoch] for lease, _ in self._outstanding.values()]
+            pending = [_fields(x) for x in self._returned] + [_fields(x) for x, _ in self._outstanding.values()]
             return {"epoch": self.epoch, "cursor": self._cursor, "order": list(self._order),
-                    "pending": pending, "num_prompts": len(self.prompts)}
+                    "pending": pending, "num_prompts": len(self.prompts), "next_ticket": self._next_ticket,
+                    "done_frontier": self._done_frontier, "done_above": sorted(self._done_above),
+                    "admission": self.admission.state_dict() if self.admission is not None else None}
 
     def set_state(self, state: dict) -> None:
         if state["num_prompts"] != len(self.prompts):
@@ -155,5 +215,14 @@ class PromptDispatcher:
             self.epoch = int(state["epoch"])
             self._order = [int(i) for i in state["order"]]
             self._cursor = int(state["cursor"])
-            self._returned = deque((int(i), int(e)) for i, e in state["pending"])
+            self._returned = deque(sorted((PromptLease(**p) for p in state["pending"]), key=lambda x: x.ticket))
             self._outstanding.clear()
+            self._next_ticket = int(state["next_ticket"])
+            self._done_frontier = int(state["done_frontier"])
+            self._done_above = {int(t) for t in state["done_above"]}
+        if self.admission is not None and state.get("admission"):
+            self.admission.load_state_dict(state["admission"])
+
+
+def _fields(lease: PromptLease) -> dict:
+    return {f: getattr(lease, f) for f in lease.__struct_fields__}

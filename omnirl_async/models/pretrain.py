@@ -121,15 +121,28 @@ def _score(images: np.ndarray, prompts: list[str]) -> dict[str, float]:
     return res
 
 
-def _plan_steps(step_fn, budget_s: float, fixed: int | None, probe: int = 8) -> tuple[int, float]:
-    """Run ``probe`` steps, return (total steps that fit into ``budget_s``, s/step)."""
-    t0 = time.perf_counter()
+def _plan_steps(step_fn, budget_s: float, fixed: int | None, probe: int = 10) -> tuple[int, float]:
+    """Run ``probe`` steps (inside the warm-up), return (total steps that fit into ``budget_s``, s/step).
+
+    The first steps are slow (allocator, oneDNN kernels), so only the second half is timed.
+    """
+    t_start = time.perf_counter()
     for i in range(probe):
-        step_fn(i, probe * 1000)  # warm-up steps: lr tiny anyway (warm-up phase)
-    per = (time.perf_counter() - t0) / probe
+        if i == probe // 2:
+            t0 = time.perf_counter()
+        step_fn(i, probe * 1000)
+    per = (time.perf_counter() - t0) / (probe - probe // 2)
     if fixed is not None:
         return int(fixed), per
-    return max(int(budget_s / per), probe + 1), per
+    left = budget_s - (time.perf_counter() - t_start)
+    return max(probe + int(left / per), probe + 1), per
+
+
+def _replan(i: int, total: int, t_start: float, t_mark: float, i_mark: int, budget_s: float) -> int:
+    """Re-estimate the step count from the recent speed (used once, early in a stage)."""
+    per = (time.perf_counter() - t_mark) / max(i - i_mark, 1)
+    left = budget_s - (time.perf_counter() - t_start)
+    return max(i + 1 + int(left / per), i + 2)
 
 
 # --------------------------------------------------------------------------- stage 1
@@ -142,7 +155,6 @@ def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: 
     vae.train()
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     curve = log.setdefault("ae_loss", [])
-    state = {"total": 1}
 
     def step(i: int, total: int) -> float:
         for g in opt.param_groups:
@@ -158,27 +170,31 @@ def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: 
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        return float(loss)
+        return float(loss.detach())
 
     t_start = time.perf_counter()
-    probe = 8
-    total, per = _plan_steps(lambda i, t: step(i, t), seconds, steps, probe)
-    state["total"] = total
-    log["ae_steps"] = total
+    probe = 10
+    total, per = _plan_steps(step, seconds, steps, probe)
     logger.info("autoencoder: %.3f s/step -> %d steps", per, total)
-    bar = tqdm(range(probe, total), desc="autoencoder", disable=not progress, file=sys.stderr)
-    ema = None
-    for i in bar:
+    bar = tqdm(total=total, initial=probe, desc="autoencoder", disable=not progress, file=sys.stderr)
+    ema, i, mark = None, probe, (time.perf_counter(), probe)
+    while i < total:
         loss = step(i, total)
         ema = loss if ema is None else 0.98 * ema + 0.02 * loss
         if i % 50 == 0 or i == total - 1:
             curve.append([i, round(ema, 5)])
             bar.set_postfix(loss=f"{ema:.4f}")
-        if steps is None and time.perf_counter() - t_start > seconds * 1.15:
+        if steps is None and mark is not None and time.perf_counter() - t_start > 0.15 * seconds:
+            total = _replan(i, total, t_start, mark[0], mark[1], seconds)
+            bar.total, mark = total, None
+            logger.info("autoencoder: re-planned to %d steps", total)
+        bar.update(1)
+        i += 1
+        if steps is None and time.perf_counter() - t_start > seconds * 1.1:
             logger.warning("autoencoder: time budget exceeded at step %d of %d; stopping", i, total)
-            log["ae_steps_done"] = i + 1
             break
     bar.close()
+    log["ae_steps"] = i
     vae.eval()
     return vae
 
@@ -272,7 +288,7 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
             for k, m in modules.items():
                 for pe_, pm in zip(ema[k].parameters(), m.parameters()):
                     pe_.lerp_(pm, 1 - d)
-        return float(loss)
+        return float(loss.detach())
 
     def run_eval(i: int) -> None:
         live = {k: getattr(pipe, k) for k in modules}
@@ -285,13 +301,13 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
         logger.info("flow step %d: train-prompt sample accuracy %s", i, evals[-1])
 
     t_start = time.perf_counter()
-    probe = 8
-    total, per = _plan_steps(step, seconds * 0.97, steps, probe)  # ~3 % for the periodic evals
-    log["flow_steps"] = total
+    probe = 10
+    budget = seconds * 0.97  # ~3 % for the periodic evals
+    total, per = _plan_steps(step, budget, steps, probe)
     logger.info("flow: %.3f s/step -> %d steps", per, total)
-    bar = tqdm(range(probe, total), desc="flow matching", disable=not progress, file=sys.stderr)
-    avg = None
-    for i in bar:
+    bar = tqdm(total=total, initial=probe, desc="flow matching", disable=not progress, file=sys.stderr)
+    avg, i, mark = None, probe, (time.perf_counter(), probe)
+    while i < total:
         loss = step(i, total)
         avg = loss if avg is None else 0.98 * avg + 0.02 * loss
         if i % 50 == 0 or i == total - 1:
@@ -299,12 +315,18 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
             bar.set_postfix(loss=f"{avg:.4f}")
         if eval_every and (i % eval_every == 0 or i == total - 1):
             run_eval(i)
-        if steps is None and time.perf_counter() - t_start > seconds * 1.1:
+        if steps is None and mark is not None and time.perf_counter() - t_start > 0.1 * seconds:
+            total = _replan(i, total, t_start, mark[0], mark[1], budget)
+            bar.total, mark = total, None
+            logger.info("flow: re-planned to %d steps", total)
+        bar.update(1)
+        i += 1
+        if steps is None and time.perf_counter() - t_start > seconds * 1.08:
             logger.warning("flow: time budget exceeded at step %d of %d; stopping", i, total)
-            log["flow_steps_done"] = i + 1
-            run_eval(i)
+            run_eval(i - 1)
             break
     bar.close()
+    log["flow_steps"] = i
     for k in modules:
         setattr(pipe, k, ema[k])
     return pipe

@@ -1,0 +1,88 @@
+"""Admission control: never start a prompt whose samples would be too stale to train.
+
+Every prompt group gets a **ticket**, its position in one global order
+(0, 1, 2, ...). The learner trains groups in ticket order: update ``u`` takes
+tickets ``[u*B, (u+1)*B)`` (``B`` = prompts per learner batch), and the policy
+version advances every ``P`` updates (``parameter_sync_step``), so ticket ``k``
+is trained at version ``floor(k / (P*B))``.
+
+A worker holding version ``v`` may therefore take ticket ``k`` only if::
+
+    k < (threshold + v + 1) * P * B                                  (1)
+
+because then ``floor(k / (P*B)) - v <= threshold``: the lag of every sample
+it generates is within ``max_off_policy_threshold`` **by construction**, however
+slow the worker is, so the ``wait`` strategy never has to drop anything. A
+ticket whose lease is released (worker died) keeps its number and is handed
+again only to a worker whose version satisfies (1) for it.
+
+Why tickets and not "count the samples in flight" (AReaL's capacity formula,
+which (1) is in prompt units)? Counting alone bounds the volume, but when a
+slow worker's group finishes after younger groups, FIFO-by-completion would
+train it later than its slot and its lag could exceed the bound. Training in
+ticket order keeps the bound exact; the price is that the learner waits for
+the oldest unfinished ticket (head-of-line), which the ``wait`` strategy
+accepts by definition.
+
+With ``max_off_policy_strategy=drop`` there is no admission control: workers
+run ahead freely (bounded by the buffer's capacity), and the buffer evicts and
+counts samples whose lag exceeds the threshold when the learner samples.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+__all__ = ["AdmissionController"]
+
+
+class AdmissionController:
+    """Lock-guarded ticket bookkeeping for the ``wait`` strategy (and plain counting for ``drop``)."""
+
+    def __init__(self, *, threshold: int, batch_groups: int, updates_per_version: int = 1,
+                 strategy: str = "wait", max_ahead_batches: int | None = None):
+        if threshold < 0:
+            raise ValueError(f"`max_off_policy_threshold` = {threshold}: must be >= 0.")
+        if batch_groups <= 0:
+            raise ValueError(f"`batch_groups` = {batch_groups}: must be > 0 (data.train_batch_size).")
+        if updates_per_version <= 0:
+            raise ValueError(f"`parameter_sync_step` = {updates_per_version}: must be > 0.")
+        if strategy not in ("wait", "drop"):
+            raise ValueError(f"`max_off_policy_strategy` = {strategy!r}: choose wait or drop.")
+        self.threshold = threshold
+        self.batch_groups = batch_groups
+        self.updates_per_version = updates_per_version
+        self.strategy = strategy
+        self.max_ahead_batches = max_ahead_batches
+        self._lock = threading.Lock()
+        self.learner_updates = 0  # updates the learner has finished (it trains ticket order)
+
+    # ------------------------------------------------------------------ rule (1)
+    def ticket_limit(self, worker_version: int) -> float:
+        """First ticket a worker at ``worker_version`` may NOT take."""
+        if self.strategy == "drop":
+            if self.max_ahead_batches is None:
+                return math.inf
+            return (self.learner_updates + self.max_ahead_batches) * self.batch_groups
+        return (self.threshold + worker_version + 1) * self.updates_per_version * self.batch_groups
+
+    def admits(self, ticket: int, worker_version: int) -> bool:
+        with self._lock:
+            return ticket < self.ticket_limit(worker_version)
+
+    def trained_version(self, ticket: int) -> int:
+        """The policy version at which the learner trains ``ticket``."""
+        return ticket // (self.updates_per_version * self.batch_groups)
+
+    # ------------------------------------------------------------------ events
+    def on_update(self, updates_done: int) -> None:
+        """The learner finished ``updates_done`` updates in total."""
+        with self._lock:
+            self.learner_updates = max(self.learner_updates, int(updates_done))
+
+    def state_dict(self) -> dict:
+        return {"learner_updates": self.learner_updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.learner_updates = int(state["learner_updates"])
