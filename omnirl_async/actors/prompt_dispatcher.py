@@ -44,7 +44,8 @@ def sample_seeds(lease: PromptLease) -> list[int | None]:
 class PromptDispatcher:
     def __init__(self, prompts: list[str], *, n: int, shuffle: bool = True, data_seed: int = 1,
                  rollout_seed: int | None = 42, total_epochs: int | None = None,
-                 negative_prompt: str | None = None, admission: AdmissionController | None = None):
+                 negative_prompt: str | None = None, admission: AdmissionController | None = None,
+                 batch_groups: int | None = None):
         if not prompts:
             raise ValueError("`prompts` is empty: the prompt dataset has no rows; check `data.train_files`.")
         self.prompts = list(prompts)
@@ -52,6 +53,7 @@ class PromptDispatcher:
         self.rollout_seed, self.total_epochs = rollout_seed, total_epochs
         self.negative_prompt = negative_prompt
         self.admission = admission
+        self.batch_groups = batch_groups or (admission.batch_groups if admission is not None else None)
         self._lock = threading.Lock()
         self._next_ticket = 0
         self._done_frontier = 0  # every ticket below this one is completed
@@ -98,12 +100,15 @@ class PromptDispatcher:
         return False
 
     # ------------------------------------------------------------------ leases
-    def lease(self, num: int, *, global_step: int, worker_id: str = "driver", worker_version: int | None = None,
+    def lease(self, num: int, *, global_step: int | None, worker_id: str = "driver",
+              worker_version: int | None = None,
               cross_epoch: bool = True) -> list[PromptLease]:
         """Up to ``num`` new leases; fewer when the run is exhausted, paused, or admission says wait.
 
         ``worker_version`` is the policy version the worker will generate with;
-        admission control uses it. With ``cross_epoch`` the next epoch starts
+        admission control uses it. ``global_step=None`` means "the learner step
+        that will train this ticket" (``ticket // batch_groups + 1``), which seeds
+        the group the same way however the workers interleave. With ``cross_epoch`` the next epoch starts
         when the current one is fully leased, so one call may return prompts
         of two epochs.
         """
@@ -123,9 +128,15 @@ class PromptDispatcher:
                             break
                     i = self._order[self._cursor]
                     self._cursor += 1
-                    seed = None if self.rollout_seed is None else int(self.rollout_seed) + global_step - 1
+                    step = global_step
+                    if step is None:
+                        if not self.batch_groups:
+                            raise ValueError("`global_step` is None but the dispatcher has no batch_groups to "
+                                             "derive it from the ticket")
+                        step = self._next_ticket // self.batch_groups + 1
+                    seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1
                     lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
-                                        epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=global_step,
+                                        epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=step,
                                         negative_prompt=self.negative_prompt, ticket=self._next_ticket)
                     self._next_ticket += 1
                 self._outstanding[lease.lease_id] = (lease, worker_id)

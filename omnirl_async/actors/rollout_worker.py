@@ -53,7 +53,8 @@ class RolloutWorker:
                                 window_range=algo.sde_window_range, strategy=algo.sample_strategy,
                                 iters_per_group=algo.iters_per_group, seed=algo.sde_window_seed)
         self.version = 0
-        self.idle_since = time.perf_counter()
+        self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
+                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "wall_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
     def assert_healthy(self) -> dict[str, Any]:
@@ -61,6 +62,55 @@ class RolloutWorker:
 
     def get_version(self) -> int:
         return self.version
+
+    def stats(self) -> dict[str, float]:
+        """Cumulative counters of the continuous loop (safe to call while it runs)."""
+        return dict(self.counters, version=self.version, worker_index=self.worker_index)
+
+    # ------------------------------------------------------------------ continuous loop (separate_async)
+    def run_loop(self, dispatcher, store, buffer, *, worker_id: str, poll_s: float = 0.02,
+                 put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, float]:
+        """Lease → (new weights between requests) → generate → score → put → complete, until stopped.
+
+        ``slowdown_s`` adds a sleep per group (tests and benchmarks of stragglers).
+        Returns the final counters.
+        """
+        import ray
+
+        from omnirl_async.learners.weight_store import fetch_weights_if_newer
+
+        t_start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            newer = fetch_weights_if_newer(store, self.version)
+            if newer is not None:
+                info, weights = newer
+                self.set_weights(info.version, weights)
+                self.counters["weights_bytes"] += info.num_bytes
+            t1 = time.perf_counter()
+            self.counters["weights_s"] += t1 - t0
+            leases = ray.get(dispatcher.lease.remote(1, global_step=None, worker_id=worker_id,
+                                                     worker_version=self.version))
+            if not leases:
+                if ray.get(dispatcher.should_stop.remote()) or ray.get(dispatcher.exhausted.remote()):
+                    break
+                time.sleep(poll_s)  # admission control says wait (or paused)
+                self.counters["idle_s"] += time.perf_counter() - t1
+                continue
+            metas, fields, st = self.generate(leases)
+            if slowdown_s:
+                time.sleep(slowdown_s)
+            t2 = time.perf_counter()
+            buffer.put(metas, fields, timeout=put_timeout)
+            ray.get(dispatcher.complete.remote([x.lease_id for x in leases]))
+            self.counters["put_s"] += time.perf_counter() - t2
+            self.counters["groups"] += len(leases)
+            self.counters["samples"] += len(metas)
+            self.counters["gen_s"] += st["timing_s/gen"]
+            self.counters["reward_s"] += st["timing_s/reward"]
+            self.counters["wall_s"] = time.perf_counter() - t_start
+        self.counters["wall_s"] = time.perf_counter() - t_start
+        return self.stats()
 
     def set_weights(self, version: int, weights: dict[str, Any]) -> int:
         """Install a published weight version (LoRA state, or full weights when lora_rank=0)."""
@@ -135,7 +185,7 @@ class RolloutWorker:
                 failed = bool(scored.failed[k])
                 tags = SampleTags(uid=new_uid(), group_uid=lease.group_uid, sample_index=k, group_size=lease.n,
                                   policy_version=version, global_step=lease.global_step, seed=seeds[k],
-                                  prompt=lease.prompt, epoch=lease.epoch)
+                                  prompt=lease.prompt, epoch=lease.epoch, ticket=lease.ticket)
                 metas.append(SampleMeta(key=tags.uid, tags=tags,
                                         status=SampleStatus.FAILURE if failed else SampleStatus.SUCCESS,
                                         reason=scored.reasons[k] if failed else None,

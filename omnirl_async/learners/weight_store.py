@@ -1,0 +1,83 @@
+"""Weight publishing: one copy per version in the object store, under a long-lived owner.
+
+The learner (rank 0) puts the LoRA state dict – or the whole transformer when
+``lora_rank=0`` – into Ray's object store **once** per version, with the
+:class:`WeightStore` actor as the object's owner, so the weights outlive the
+learner process that produced them (PITFALLS: objects die with their owner).
+Rollout workers ask for the newest version number between requests (a cheap
+call) and fetch the tensors only when it changed; numpy arrays come back as
+zero-copy views of shared memory.
+
+The store keeps the newest ``keep`` versions so a worker that fetched the
+number of version ``v`` can still get it after ``v+1`` appeared.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from omnirl_async.protocol import WeightsInfo
+
+__all__ = ["WeightStore", "publish_weights", "fetch_weights_if_newer"]
+
+
+class WeightStore:
+    """Ray actor body: version → ObjectRef of a ``dict[str, np.ndarray]``."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._refs: dict[int, Any] = {}
+        self._infos: dict[int, WeightsInfo] = {}
+        self._latest = -1
+        self._lock = threading.Lock()
+
+    def publish(self, info: WeightsInfo, wrapped_ref: list) -> int:
+        """Register ``wrapped_ref[0]`` (wrapped in a list so Ray passes the ref, not its value)."""
+        with self._lock:
+            if info.version <= self._latest:
+                raise ValueError(f"weights version {info.version} is not newer than the published {self._latest}")
+            self._refs[info.version] = wrapped_ref[0]
+            self._infos[info.version] = info
+            self._latest = info.version
+            for v in sorted(self._refs)[:-self.keep]:
+                del self._refs[v], self._infos[v]
+            return self._latest
+
+    def latest_version(self) -> int:
+        return self._latest
+
+    def get(self, version: int | None = None) -> tuple[WeightsInfo, list]:
+        with self._lock:
+            v = self._latest if version is None else version
+            if v not in self._refs:
+                raise KeyError(f"weights version {v} is not held (held: {sorted(self._refs)})")
+            return self._infos[v], [self._refs[v]]
+
+    def assert_healthy(self) -> int:
+        return self._latest
+
+
+def publish_weights(store, version: int, weights: dict[str, np.ndarray], *, is_lora: bool) -> WeightsInfo:
+    """Put ``weights`` into the object store owned by ``store`` and announce ``version``."""
+    import ray
+
+    info = WeightsInfo(version=version, num_bytes=int(sum(v.nbytes for v in weights.values())), is_lora=is_lora,
+                       published_at=time.time())
+    ref = ray.put(weights, _owner=store)
+    ray.get(store.publish.remote(info, [ref]))
+    return info
+
+
+def fetch_weights_if_newer(store, have_version: int) -> tuple[WeightsInfo, dict[str, np.ndarray]] | None:
+    """The newest weights when they are newer than ``have_version``, else None (one cheap call)."""
+    import ray
+
+    latest = ray.get(store.latest_version.remote())
+    if latest <= have_version:
+        return None
+    info, wrapped = ray.get(store.get.remote(latest))
+    return info, ray.get(wrapped[0])
