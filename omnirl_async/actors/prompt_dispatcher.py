@@ -66,6 +66,15 @@ class PromptDispatcher:
         self._returned: deque[PromptLease] = deque()  # released leases, re-issued with the same ticket
         self._outstanding: dict[str, tuple[PromptLease, str]] = {}
 
+    def __getstate__(self):  # locks do not travel (STYLE guideline 7)
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ order
     def _epoch_order(self, epoch: int) -> list[int]:
         idx = np.arange(len(self.prompts))

@@ -58,6 +58,15 @@ class AdmissionController:
         self._lock = threading.Lock()
         self.learner_updates = 0  # updates the learner has finished (it trains ticket order)
 
+    def __getstate__(self):  # locks do not travel (STYLE guideline 7)
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ rule (1)
     def ticket_limit(self, worker_version: int) -> float:
         """First ticket a worker at ``worker_version`` may NOT take."""

@@ -45,8 +45,7 @@ class V1SamplerConfig:
 class V1Config:
     trainer_mode: str = opt("sync", "sync (generate -> train -> publish) or separate_async.",
                             choices=("sync", "separate_async", "omni_sync"),
-                            not_built={"separate_async": "separate_async mode is not built yet; use sync",
-                                       "omni_sync": "omni (autoregressive) training is not built yet"})
+                            not_built={"omni_sync": "omni (autoregressive) training is not built yet"})
     separate_async: SeparateAsyncConfig = field(default_factory=SeparateAsyncConfig)
     sampler: V1SamplerConfig = field(default_factory=V1SamplerConfig)
 

@@ -73,6 +73,13 @@ class LearnerWorker:
         self.learner.save_lora(folder)
         return True
 
+    def publish(self, store, version: int):
+        """Put this rank's weights into the object store owned by ``store`` (called on rank 0)."""
+        from omnirl_async.learners.weight_store import publish_weights
+
+        return publish_weights(store, version, self.get_weights(),
+                               is_lora=self.config.actor_rollout_ref.model.lora_rank > 0)
+
     def assert_healthy(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "step": self.learner.global_step if self.learner else -1}
 
@@ -142,6 +149,10 @@ class LearnerGroup:
 
     def save_lora(self, folder: str) -> None:
         self._rank0("save_lora", folder)
+
+    def publish(self, store, version: int):
+        """Rank 0 publishes weights ``version`` through the weight store; returns its WeightsInfo."""
+        return self._rank0("publish", store, version)
 
     def assert_healthy(self) -> list[dict]:
         return self._all("assert_healthy")

@@ -1,9 +1,10 @@
 """Weight publishing: one copy per version in the object store, under a long-lived owner.
 
-The learner (rank 0) puts the LoRA state dict – or the whole transformer when
-``lora_rank=0`` – into Ray's object store **once** per version, with the
-:class:`WeightStore` actor as the object's owner, so the weights outlive the
-learner process that produced them (PITFALLS: objects die with their owner).
+The learner (rank 0) sends the LoRA state dict – or the whole transformer when
+``lora_rank=0`` – to the :class:`WeightStore` actor, which puts it into Ray's
+object store **once** per version and so owns it: the weights outlive the
+learner process that produced them (objects die with their owner, and Ray
+2.56 removed ``ray.put(..., _owner=...)``, so the owner must do the put).
 Rollout workers ask for the newest version number between requests (a cheap
 call) and fetch the tensors only when it changed; numpy arrays come back as
 zero-copy views of shared memory.
@@ -35,12 +36,14 @@ class WeightStore:
         self._latest = -1
         self._lock = threading.Lock()
 
-    def publish(self, info: WeightsInfo, wrapped_ref: list) -> int:
-        """Register ``wrapped_ref[0]`` (wrapped in a list so Ray passes the ref, not its value)."""
+    def publish(self, info: WeightsInfo, weights: dict[str, np.ndarray]) -> int:
+        """Own a copy of ``weights`` in the object store as version ``info.version``."""
+        import ray
+
         with self._lock:
             if info.version <= self._latest:
                 raise ValueError(f"weights version {info.version} is not newer than the published {self._latest}")
-            self._refs[info.version] = wrapped_ref[0]
+            self._refs[info.version] = ray.put(weights)
             self._infos[info.version] = info
             self._latest = info.version
             for v in sorted(self._refs)[:-self.keep]:
@@ -62,13 +65,12 @@ class WeightStore:
 
 
 def publish_weights(store, version: int, weights: dict[str, np.ndarray], *, is_lora: bool) -> WeightsInfo:
-    """Put ``weights`` into the object store owned by ``store`` and announce ``version``."""
+    """Hand ``weights`` to ``store`` (which owns the object-store copy) and announce ``version``."""
     import ray
 
     info = WeightsInfo(version=version, num_bytes=int(sum(v.nbytes for v in weights.values())), is_lora=is_lora,
                        published_at=time.time())
-    ref = ray.put(weights, _owner=store)
-    ray.get(store.publish.remote(info, [ref]))
+    ray.get(store.publish.remote(info, weights))
     return info
 
 

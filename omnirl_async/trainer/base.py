@@ -36,17 +36,10 @@ class BaseTrainer:
         aro = config.actor_rollout_ref
         self.n = aro.rollout.n
         self.batch_prompts = config.data.train_batch_size
-        self.dispatcher = PromptDispatcher(prompts, n=self.n, shuffle=config.data.shuffle,
-                                           data_seed=config.data.seed, rollout_seed=aro.rollout.seed,
-                                           total_epochs=config.trainer.total_epochs,
-                                           negative_prompt=aro.rollout.pipeline.negative_prompt or None)
-        self.buffer = make_replay_buffer(config.buffer, self.sampler_config(), config.transfer_queue,
-                                         use_ray=False, seed=config.data.seed)
-        threads = max(1, int(aro.rollout.num_cpus_per_worker))
-        worker_cls = ray.remote(num_cpus=aro.rollout.num_cpus_per_worker,
-                                num_gpus=aro.rollout.num_gpus_per_worker)(RolloutWorker)
-        self.workers = [worker_cls.remote(config, worker_index=i, num_threads=threads)
-                        for i in range(aro.rollout.num_workers)]
+        self.prompts = prompts
+        self.dispatcher = self.make_dispatcher(prompts)
+        self.buffer = self.make_buffer()
+        self.workers = [self.make_worker(i) for i in range(aro.rollout.num_workers)]
         self.learners = LearnerGroup(config, use_ray=True,
                                      num_threads=max(1, int(config.learner.num_cpus_per_worker)))
         ray.get([w.assert_healthy.remote() for w in self.workers])
@@ -58,9 +51,38 @@ class BaseTrainer:
         self.weight_bytes = 0
         self._val_prompts: list[str] | None = None
 
+    # ------------------------------------------------------------------ construction (overridable)
     def sampler_config(self):
         """``trainer.v1.sampler`` as this mode applies it (sync: threshold 0)."""
         return self.config.trainer.v1.sampler
+
+    def dispatcher_kwargs(self) -> dict:
+        aro = self.config.actor_rollout_ref
+        return dict(n=self.n, shuffle=self.config.data.shuffle, data_seed=self.config.data.seed,
+                    rollout_seed=aro.rollout.seed, total_epochs=self.config.trainer.total_epochs,
+                    negative_prompt=aro.rollout.pipeline.negative_prompt or None, batch_groups=self.batch_prompts)
+
+    def make_dispatcher(self, prompts: list[str]):
+        return PromptDispatcher(prompts, **self.dispatcher_kwargs())
+
+    def make_buffer(self):
+        return make_replay_buffer(self.config.buffer, self.sampler_config(), self.config.transfer_queue,
+                                  use_ray=False, seed=self.config.data.seed)
+
+    def make_worker(self, index: int, **options):
+        import ray
+
+        ro = self.config.actor_rollout_ref.rollout
+        cls = ray.remote(num_cpus=ro.num_cpus_per_worker, num_gpus=ro.num_gpus_per_worker, **options)(RolloutWorker)
+        return cls.remote(self.config, worker_index=index, num_threads=max(1, int(ro.num_cpus_per_worker)))
+
+    def dcall(self, method: str, *args, **kwargs):
+        """Call the dispatcher, in-process or as a Ray actor."""
+        if isinstance(self.dispatcher, PromptDispatcher):
+            return getattr(self.dispatcher, method)(*args, **kwargs)
+        import ray
+
+        return ray.get(getattr(self.dispatcher, method).remote(*args, **kwargs))
 
     # ------------------------------------------------------------------ weights
     def publish_weights(self) -> dict[str, float]:
@@ -83,7 +105,7 @@ class BaseTrainer:
         self.learners.save_lora(str(tmp / "lora"))
         save_state(self.learners.get_state(), tmp, "learner")
         save_state({"global_step": self.global_step, "version": self.version,
-                    "dispatcher": self.dispatcher.get_state()}, tmp, "trainer")
+                    "dispatcher": self.dcall("get_state")}, tmp, "trainer")
         if self.config.buffer.snapshot_with_checkpoint:
             self.buffer.snapshot(str(tmp / "buffer"))
         return self.ckpt.commit(tmp, self.global_step)
@@ -101,7 +123,7 @@ class BaseTrainer:
         self.learners.set_state(load_state(folder, "learner"))
         state = load_state(folder, "trainer")
         self.global_step, self.version = int(state["global_step"]), int(state["version"])
-        self.dispatcher.set_state(state["dispatcher"])
+        self.dcall("set_state", state["dispatcher"])
         if (folder / "buffer").is_dir():
             self.buffer.restore(str(folder / "buffer"))
         self.publish_weights()
@@ -146,7 +168,7 @@ class BaseTrainer:
         tcfg = self.config.trainer
         if tcfg.total_training_steps:
             return int(tcfg.total_training_steps)
-        per_epoch = int(np.ceil(len(self.dispatcher.prompts) / self.batch_prompts))
+        per_epoch = int(np.ceil(len(self.prompts) / self.batch_prompts))
         return per_epoch * tcfg.total_epochs
 
     def should_save(self, done: bool) -> bool:

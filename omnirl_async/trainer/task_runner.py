@@ -94,6 +94,8 @@ class TaskRunner:
             mode = self.config.trainer.v1.trainer_mode
             if mode == "sync":
                 from omnirl_async.trainer.sync import SyncTrainer as cls
+            elif mode == "separate_async":
+                from omnirl_async.trainer.separate_async import SeparateAsyncTrainer as cls
             else:  # validation refuses modes that are not built
                 raise ValueError(f"`trainer.v1.trainer_mode` = {mode!r} is not available")
             trainer = cls(self.config, prompts, printer=self.printer)

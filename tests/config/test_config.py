@@ -76,7 +76,7 @@ def test_unknown_key_in_a_recipe_yaml_is_rejected(tmp_path):
 
 
 @pytest.mark.parametrize("override, needle", [
-    ("trainer.v1.trainer_mode=separate_async", "not built"),
+    ("trainer.v1.trainer_mode=omni_sync", "not built"),
     ("algorithm.trainer_type=direct_preference", "not built"),
     ("actor_rollout_ref.model.algorithm=diffusion_nft", "not built"),
     ("actor_rollout_ref.rollout.name=vllm_omni", "vLLM"),

@@ -1,0 +1,267 @@
+"""``trainer.v1.trainer_mode=separate_async``: rollout and learning at the same time.
+
+Rollout workers run :meth:`RolloutWorker.run_loop` continuously: lease a
+prompt (admission control decides whether it may start), take new weights if
+a newer version was published (only between requests), generate, score, put
+the group into the Ray replay buffer, complete the lease. The driver runs the
+learner: wait for the next batch, sample it, update, and every
+``parameter_sync_step`` updates publish version ``v+1`` through the
+:class:`~omnirl_async.learners.weight_store.WeightStore`.
+
+Staleness (``trainer.v1.sampler``):
+
+* ``wait`` – tickets (see :mod:`omnirl_async.actors.staleness`): update ``u``
+  waits until every ticket below ``(u+1)*B`` is in the buffer and the buffer
+  hands groups out lowest ticket first, so no trained sample ever lags by more
+  than ``max_off_policy_threshold`` and nothing is dropped;
+* ``drop`` – workers run ahead freely; the buffer evicts stale groups (counted
+  in ``training/off_policy/dropped_samples``).
+
+A worker that dies has its leases returned (or completed, when its group had
+already reached the buffer) and is replaced, so every prompt of an epoch is
+trained exactly once. Checkpoints quiesce the workers first (pause leasing,
+let in-flight groups land) so that the buffer snapshot and the prompt cursor
+agree.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
+from omnirl_async.actors.staleness import AdmissionController
+from omnirl_async.buffer import make_replay_buffer
+from omnirl_async.learners.weight_store import WeightStore
+from omnirl_async.metrics import (Timer, compute_data_metrics, compute_staleness_metrics, compute_throughput_metrics,
+                                  compute_timing_metrics)
+from omnirl_async.trainer.base import BaseTrainer
+
+__all__ = ["SeparateAsyncTrainer"]
+
+
+class SeparateAsyncTrainer(BaseTrainer):
+    poll_s = 0.02
+    wait_timeout_s = 600.0
+
+    def __init__(self, config, prompts, *, printer=print, worker_slowdowns: list[float] | None = None):
+        import ray
+
+        v1 = config.trainer.v1
+        self.threshold = v1.sampler.max_off_policy_threshold
+        self.strategy = v1.sampler.max_off_policy_strategy
+        self.sync_step = v1.separate_async.parameter_sync_step
+        self.worker_slowdowns = worker_slowdowns
+        self.store = ray.remote(num_cpus=0)(WeightStore).remote(keep=2)
+        super().__init__(config, prompts, printer=printer)
+        self.run_refs: dict[int, object] = {}
+        self.worker_ids: dict[int, str] = {}
+        self.consumed_groups: set[str] = set()
+        self.dropped_before = 0.0
+        self.replaced_workers = 0
+
+    # ------------------------------------------------------------------ construction
+    def make_dispatcher(self, prompts):
+        import ray
+
+        admission = AdmissionController(threshold=self.threshold, batch_groups=self.batch_prompts,
+                                        updates_per_version=self.sync_step, strategy=self.strategy)
+        return ray.remote(num_cpus=0)(PromptDispatcher).remote(prompts, admission=admission,
+                                                               **self.dispatcher_kwargs())
+
+    def make_buffer(self):
+        return make_replay_buffer(self.config.buffer, self.sampler_config(), self.config.transfer_queue,
+                                  use_ray=True, seed=self.config.data.seed)
+
+    def make_worker(self, index: int, **options):
+        return super().make_worker(index, max_concurrency=2)  # stats() answers while run_loop runs
+
+    # ------------------------------------------------------------------ weights
+    def publish_weights(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        info = self.learners.publish(self.store, self.version)
+        self.dcall("on_update", self.global_step)
+        return {"timing_s/update_weights": time.perf_counter() - t0,
+                "perf/weight_sync_bytes": float(info.num_bytes)}
+
+    # ------------------------------------------------------------------ workers
+    def _start_worker(self, i: int) -> None:
+        slow = self.worker_slowdowns[i % len(self.worker_slowdowns)] if self.worker_slowdowns else 0.0
+        self.worker_ids[i] = f"w{i}.{self.replaced_workers}"
+        self.run_refs[i] = self.workers[i].run_loop.remote(
+            self.dispatcher, self.store, self.buffer, worker_id=self.worker_ids[i],
+            put_timeout=self.config.transfer_queue.put_timeout_s, slowdown_s=slow)
+
+    def check_workers(self) -> None:
+        """Replace a dead worker; its leases go back (or complete, if its group already landed).
+
+        Only a dead actor is replaced; an exception raised inside the loop is a
+        bug and is re-raised here with its original type.
+        """
+        import ray
+
+        refs = list(self.run_refs.values())
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for i, ref in list(self.run_refs.items()):
+            if ref not in done:
+                continue
+            try:
+                ray.get(ref)
+                continue  # finished normally (stopped or exhausted)
+            except ray.exceptions.RayActorError as err:
+                reason = type(err).__name__
+            self._recover_leases(self.worker_ids[i])
+            self.printer(f"rollout worker {i} died ({reason}); its leases were returned; starting a replacement")
+            self.replaced_workers += 1
+            self.workers[i] = self.make_worker(i)
+            self._start_worker(i)
+
+    def _recover_leases(self, worker_id: str) -> None:
+        """Leases of a dead worker: complete those whose group reached the buffer, release the rest."""
+        leases = self.dcall("outstanding", worker_id)
+        landed = [x.lease_id for x in leases
+                  if x.group_uid in self.consumed_groups or self.buffer.list_keys(group_uid=x.group_uid)]
+        if landed:
+            self.dcall("complete", landed)
+        rest = [x.lease_id for x in leases if x.lease_id not in landed]
+        if rest:
+            self.dcall("release", rest)
+
+    # ------------------------------------------------------------------ learner side
+    def wait_for_batch(self, timer: Timer) -> None:
+        """Block until the groups of the next update are in the buffer (ticket order under ``wait``)."""
+        with timer("wait_data"):
+            if self.strategy != "wait":
+                return  # buffer.sample blocks until enough fresh samples are ready
+            first = self.global_step == 0 and self.config.trainer.v1.separate_async.num_warmup_batches > 1
+            batches = self.config.trainer.v1.separate_async.num_warmup_batches if first else 1
+            cap = (self.threshold + 1) * self.sync_step  # more is never admitted at version 0
+            target = (self.global_step + min(batches, cap)) * self.batch_prompts
+            deadline = time.monotonic() + self.wait_timeout_s
+            while self.dcall("tickets_done") < target:
+                if self.dcall("exhausted") and not self.dcall("outstanding"):
+                    return
+                self.check_workers()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"waited {self.wait_timeout_s:.0f}s for prompt groups up to ticket {target} "
+                                       f"(done: {self.dcall('tickets_done')}, issued: "
+                                       f"{self.dcall('tickets_issued')}); are the rollout workers alive?")
+                time.sleep(self.poll_s)
+
+    def sample_batch(self, timer: Timer):
+        with timer("sample"):
+            batch = self.buffer.sample(self.batch_prompts * self.n, learner_version=self.version,
+                                       timeout=self.wait_timeout_s)
+        self.consumed_groups.update(m.tags.group_uid for m in batch.metas)
+        return batch
+
+    def rollout_stats(self) -> dict[str, float]:
+        import ray
+
+        stats = ray.get([w.stats.remote() for w in self.workers])
+        wall = sum(s["wall_s"] for s in stats) or 1.0
+        return {"perf/rollout_idle_frac": sum(s["idle_s"] for s in stats) / wall,
+                "rollout/samples_generated": float(sum(s["samples"] for s in stats)),
+                "rollout/gen_s_per_sample": sum(s["gen_s"] for s in stats) / max(1, sum(s["samples"] for s in stats)),
+                "rollout/min_worker_version": float(min(s["version"] for s in stats))}
+
+    def save_checkpoint(self):
+        """Quiesce (no new leases, in-flight groups land), then save everything consistently."""
+        self.dcall("pause", True)
+        deadline = time.monotonic() + self.wait_timeout_s
+        while self.dcall("outstanding") and time.monotonic() < deadline:
+            self.check_workers()
+            time.sleep(self.poll_s)
+        try:
+            return super().save_checkpoint()
+        finally:
+            self.dcall("pause", False)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict:
+        import ray
+
+        total = self.total_steps()
+        self.publish_weights()
+        for i in range(len(self.workers)):
+            self._start_worker(i)
+        bar = tqdm(total=total, initial=self.global_step, desc=f"async FlowGRPO (lag<={self.threshold})",
+                   unit="step", disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
+        deadline = (time.monotonic() + 60.0 * self.config.trainer.total_time_minutes
+                    if self.config.trainer.total_time_minutes else None)
+        t_run = time.perf_counter()
+        learner_busy = 0.0
+        all_staleness: list[np.ndarray] = []
+        try:
+            while self.global_step < total:
+                timer = Timer()
+                t_step = time.perf_counter()
+                self.wait_for_batch(timer)
+                if self.dcall("exhausted") and not self.dcall("outstanding") and \
+                        self.buffer.num_ready_samples(self.version) == 0:
+                    break
+                batch = self.sample_batch(timer)
+                compat = self.config.trainer.v1.separate_async.sync_compatible
+                if compat:
+                    self.dcall("pause", True)
+                t_upd = time.perf_counter()
+                metrics = self.learners.update(batch.fields, [m.tags.group_uid for m in batch.metas])
+                timer.times["update_actor"] = time.perf_counter() - t_upd
+                learner_busy += timer.times["update_actor"]
+                if compat:
+                    self.dcall("pause", False)
+                self.global_step += 1
+                if self.global_step % self.sync_step == 0:
+                    self.version += 1
+                    metrics.update(self.publish_weights())
+                    timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
+                else:
+                    self.dcall("on_update", self.global_step)
+                done = self.global_step >= total or (deadline is not None and time.monotonic() > deadline)
+                if self.should_save(done):
+                    with timer("save_checkpoint"):
+                        self.save_checkpoint()
+                if self.should_validate(done):
+                    with timer("testing"):
+                        metrics.update(self.validate())
+                timer.times["step"] = time.perf_counter() - t_step
+                staleness = batch.info.get("staleness", np.zeros(len(batch)))
+                all_staleness.append(np.asarray(staleness))
+                extras = {k[len("extra."):].replace(".", "/"): v for k, v in batch.fields.items()
+                          if k.startswith("extra.")}
+                metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
+                metrics.update(compute_timing_metrics(timer.times, len(batch)))
+                metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
+                metrics.update(compute_staleness_metrics(staleness))
+                buf = self.buffer.metrics()
+                metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in buf.items()
+                                if not isinstance(v, (list, tuple))})
+                metrics["training/off_policy/dropped_samples"] = float(buf.get("buffer/dropped_stale", 0.0))
+                metrics["perf/learner_idle_frac"] = 1.0 - learner_busy / max(1e-9, time.perf_counter() - t_run)
+                metrics.update(self.rollout_stats())
+                metrics["training/global_step"] = float(self.global_step)
+                metrics["training/policy_version"] = float(self.version)
+                self.tracking.log(metrics, self.global_step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}",
+                                lag=f"{float(np.max(staleness)) if len(staleness) else 0:.0f}")
+                if done:
+                    break
+        finally:
+            bar.close()
+            self.dcall("stop")
+            try:
+                self.final_worker_stats = ray.get(list(self.run_refs.values()), timeout=120)
+            except Exception as err:  # a dead worker at shutdown is reported, not raised
+                self.printer(f"rollout workers did not stop cleanly: {type(err).__name__}: {err}")
+                self.final_worker_stats = []
+        stale = np.concatenate(all_staleness) if all_staleness else np.zeros(0)
+        summary = self.summary()
+        summary.update({"staleness_max": float(stale.max()) if stale.size else 0.0,
+                        "staleness_mean": float(stale.mean()) if stale.size else 0.0,
+                        "dropped_samples": float(self.buffer.metrics().get("buffer/dropped_stale", 0.0)),
+                        "learner_idle_frac": 1.0 - learner_busy / max(1e-9, time.perf_counter() - t_run),
+                        "replaced_workers": self.replaced_workers})
+        return summary
