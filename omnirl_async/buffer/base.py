@@ -130,7 +130,7 @@ class ReplayBuffer(ABC):
 
     @abstractmethod
     def clear(self) -> None:
-        """Remove every sample (counters are kept)."""
+        """Remove every sample; counters are kept, the field schema is inferred again."""
 
     @abstractmethod
     def metrics(self) -> dict[str, float]:

@@ -252,9 +252,12 @@ class Table:
         return True
 
     def clear(self) -> None:
+        """Remove every group; the schema is inferred again from the next put."""
         for g in list(self.groups.values()):
             self._remove(g)
         self.refills.clear()
+        self.refill_rounds.clear()
+        self.schema = Schema(table=self.name)
 
     # -------------------------------------------------------------- sample
     def ready_groups(self, learner_version: int | None) -> tuple[int, int]:

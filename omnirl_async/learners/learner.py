@@ -107,7 +107,8 @@ class Learner:
             self.actor_cfg.diffusion_loss, self.actor_cfg)
         self.adv_fn = get_diffusion_adv_estimator_fn(self.algo_cfg.adv_estimator)
         self.global_step = 0
-        self.rng = torch.Generator().manual_seed(int(config.data.seed) * 1000 + rank)
+        # the same on every rank: ranks must agree on mini-batch permutations and trained steps
+        self.rng = torch.Generator().manual_seed(int(config.data.seed) * 1000 + 17)
 
     # ---------------------------------------------------------------- set-up
     def configure_optimizer(self) -> torch.optim.Optimizer:
@@ -194,6 +195,11 @@ class Learner:
                         out = self._step_forward(mb, j, emb)
                         old[rows, j] = out.log_prob.float().cpu()
                         old_means[rows, j] = out.mean.float().cpu()
+            if self.world_size > 1 and dist.is_initialized():
+                # each row was computed by exactly one rank (its epoch-0 slice): a sum shares them all,
+                # so later epochs, whose slices differ, still find every row's old log-prob
+                dist.all_reduce(old, op=dist.ReduceOp.SUM)
+                dist.all_reduce(old_means, op=dist.ReduceOp.SUM)
             b["old_log_probs"], b["old_means"] = old, old_means
         rc = compute_rollout_correction(b["old_log_probs"], behaviour, None, self.algo_cfg.rollout_correction)
         b["is_weights"] = rc.weights  # IS weight x rejection keep-mask

@@ -22,6 +22,7 @@ from omnirl_async.rewards.base import (
 )
 from omnirl_async.rewards import builtin as _builtin  # noqa: F401  (registers)
 from omnirl_async.rewards import tiny_geneval as _tiny_geneval  # noqa: F401  (registers)
+from omnirl_async.rewards import http_scorer as _http_scorer  # noqa: F401  (registers)
 from omnirl_async.rewards.custom import load_custom_reward_fn
 from omnirl_async.rewards.manager import DEFAULT_REWARD_FN, RewardComponent, RewardManager
 from omnirl_async.rewards.tiny_geneval import clause_accuracy

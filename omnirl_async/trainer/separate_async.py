@@ -59,6 +59,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.run_refs: dict[int, object] = {}
         self.worker_ids: dict[int, str] = {}
         self.consumed_groups: set[str] = set()
+        self.trained_log: list[tuple[str, str, int, int, int]] = []
         self.dropped_before = 0.0
         self.replaced_workers = 0
 
@@ -155,6 +156,9 @@ class SeparateAsyncTrainer(BaseTrainer):
             batch = self.buffer.sample(self.batch_prompts * self.n, learner_version=self.version,
                                        timeout=self.wait_timeout_s)
         self.consumed_groups.update(m.tags.group_uid for m in batch.metas)
+        # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
+        self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, self.version)
+                                for m in batch.metas)
         return batch
 
     def rollout_stats(self) -> dict[str, float]:

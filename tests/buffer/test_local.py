@@ -152,16 +152,17 @@ def test_offline_mix_and_source():
     for g in range(2):
         b.put(*make_group(f"on{g}", 2))
         b.put(*make_group(f"off{g}", 2, source=SampleSource.OFFLINE))
-    out = b.sample(4, learner_version=9)  # offline data never goes stale
+    out = b.sample(4, learner_version=1, timeout=5)
     assert [m.tags.source for m in out.metas] == [SampleSource.ONLINE] * 2 + [SampleSource.OFFLINE] * 2
-    assert out.info["staleness"].tolist()[2:] == [0, 0]
-    only = b.sample(2, learner_version=0, source="offline")
-    assert {m.tags.source for m in only.metas} == {SampleSource.OFFLINE}
+    assert out.info["staleness"].tolist() == [1, 1, 0, 0]  # offline data has no policy version: lag 0
+    only = b.sample(2, learner_version=1, source="online", timeout=5)
+    assert {m.tags.source for m in only.metas} == {SampleSource.ONLINE}
+    b.sample(2, learner_version=50, timeout=5, source="offline")  # ... and never goes stale
 
 
 @pytest.mark.parametrize("bad,match", [
     (lambda f: f.pop("idx"), "is missing field `idx`"),
-    (lambda f: f.update(x=f["x"].astype(np.float16)), "field `x` has dtype/shape float16\\[3\\]"),
+    (lambda f: f.update(x=f["x"].astype(np.float64)), "field `x` has dtype/shape float64\\[3\\]"),
     (lambda f: f.update(x=np.zeros((4, 5), np.float32)), "field `x` has dtype/shape float32\\[5\\]"),
     (lambda f: f.update(extra=np.zeros(4)), "has field `extra` which is not in"),
     (lambda f: f.update(x=np.zeros((3, 3), np.float32)), "batch dimension must equal len\\(metas\\) = 4"),
@@ -230,8 +231,11 @@ def test_rate_limiter_ratio_one_is_lock_step():
     b.sample(4, learner_version=0)
     b.put(*make_group("b", 4))
     b.put(*make_group("c", 4))
-    with pytest.raises(TimeoutError, match="rate limiter SampleToInsertRatio"):
-        b.put(*make_group("d", 4), timeout=0.05)
+    b.put(*make_group("d", 4))  # auto window: one put + one batch = 8 above the target of 4
+    with pytest.raises(TimeoutError, match=r"rate limiter SampleToInsertRatio.*diff=12"):
+        b.put(*make_group("e", 4), timeout=0.05)
+    b.sample(4, learner_version=0)
+    b.put(*make_group("e", 4), timeout=1)
     with pytest.raises(ValueError, match="`buffer.samples_per_insert` = 2.0 must deadlock"):
         buf(samples_per_insert=2.0)
     with pytest.raises(ValueError, match="`buffer.min_size_to_sample` = 9 must deadlock"):

@@ -1,0 +1,85 @@
+"""separate_async on Ray: the staleness bound, exactly-once prompts, dead workers."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from omnirl_async.config import load_config
+from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
+
+PROMPTS = ["one red circle", "two blue squares", "a green triangle", "three yellow circles",
+           "a white square", "two purple triangles", "one blue circle", "four red squares"]
+
+
+def _cfg(small_overrides, tmp_path, *extra):
+    return load_config(small_overrides + [
+        "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.num_workers=2",
+        "actor_rollout_ref.rollout.pipeline.num_inference_steps=3", "actor_rollout_ref.rollout.n=2",
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'tb'}",
+        "trainer.resume_mode=disable", *extra])
+
+
+def _fit(cfg, **kw):
+    trainer = SeparateAsyncTrainer(cfg, PROMPTS, printer=lambda *a: None, **kw)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.stop()
+    return trainer, summary
+
+
+@pytest.mark.parametrize("threshold", [0, 1])
+def test_wait_keeps_every_lag_within_the_threshold_and_drops_nothing(ray_cluster, small_overrides, tmp_path,
+                                                                     threshold):
+    cfg = _cfg(small_overrides, tmp_path, "trainer.total_training_steps=6",
+               f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
+               "trainer.v1.sampler.max_off_policy_strategy=wait")
+    trainer, summary = _fit(cfg, worker_slowdowns=[0.0, 0.7])  # one fast, one slow worker
+    lags = [learner_v - behaviour_v for _, _, _, behaviour_v, learner_v in trainer.trained_log]
+    assert len(lags) == 6 * 2 * 2
+    assert max(lags) <= threshold and min(lags) >= 0
+    assert summary["dropped_samples"] == 0
+    if threshold == 1:
+        assert max(lags) == 1  # it did run ahead
+    else:
+        assert set(lags) == {0}
+
+
+def test_drop_evicts_stale_groups_and_counts_them(ray_cluster, small_overrides, tmp_path):
+    cfg = _cfg(small_overrides, tmp_path, "trainer.total_training_steps=5",
+               "trainer.v1.sampler.max_off_policy_threshold=0", "trainer.v1.sampler.max_off_policy_strategy=drop",
+               "trainer.total_epochs=50")
+    trainer, summary = _fit(cfg, worker_slowdowns=[0.0, 0.5])
+    lags = [lv - bv for _, _, _, bv, lv in trainer.trained_log]
+    assert max(lags) == 0
+    assert summary["dropped_samples"] > 0  # workers ran ahead of a threshold of 0
+
+
+def test_every_prompt_is_trained_once_when_a_worker_is_killed(ray_cluster, small_overrides, tmp_path):
+    import ray
+
+    cfg = _cfg(small_overrides, tmp_path, "trainer.total_epochs=1",
+               "trainer.v1.sampler.max_off_policy_threshold=1")
+
+    class KillOnce(SeparateAsyncTrainer):
+        killed = False
+
+        def sample_batch(self, timer):
+            batch = super().sample_batch(timer)
+            if self.global_step == 1 and not self.killed:
+                ray.kill(self.workers[0], no_restart=True)
+                self.killed = True
+            return batch
+
+    trainer = KillOnce(cfg, PROMPTS, printer=lambda *a: None)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.stop()
+    assert trainer.killed and summary["replaced_workers"] >= 1
+    groups = {(g, p, e) for g, p, e, _, _ in trainer.trained_log}
+    per_prompt = Counter(p for _, p, _ in groups)
+    assert per_prompt == Counter(PROMPTS)  # every prompt of the epoch exactly once
+    assert summary["global_step"] == len(PROMPTS) // 2
