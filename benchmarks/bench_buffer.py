@@ -12,7 +12,10 @@ producer actors with one consumer (the driver), the same samples cross:
                idiomatic use;
 * ``buffer`` – this project's RayReplayBuffer: one put per group, one sample
                call per group (``SampleMeta`` + fields, rate and staleness
-               checks included).
+               checks included); payloads owned by the storage units
+               (durable: two copies);
+* ``fast``   – the same with ``transfer_queue.producer_owned_payloads=true``
+               (one copy; unconsumed data dies with its producer).
 
 Groups: 8 samples at 4 KB, 4 at 1 MB, 1 at 16 MB. Consumers do not touch the
 bytes (all three return zero-copy views). Printed: samples/s, MB/s and the
@@ -78,53 +81,61 @@ def run_raw(producers, n_groups_each: int) -> None:
             ray.get(ref)
 
 
-def run_queue(producers, n_groups_each: int, group: int) -> None:
-    q = Queue(maxsize=64)
+def run_queue(q, producers, n_groups_each: int, group: int) -> None:
     done = [p.queue.remote(q, n_groups_each) for p in producers]
     for _ in range(n_groups_each * group * len(producers)):
         q.get(timeout=120)
     ray.get(done)
-    ray.kill(q.actor)
 
 
-def run_buffer(producers, n_groups_each: int, group: int, tag: str) -> None:
-    buf = make_replay_buffer(NS(sampler="fifo", max_size=1 << 20), NS(max_off_policy_threshold=None),
-                             NS(num_data_storage_units=2, memory_budget_bytes=256 * 1024**2), use_ray=True)
-    try:
-        done = [p.buffer.remote(buf, f"{tag}-{i}", n_groups_each) for i, p in enumerate(producers)]
-        for _ in range(n_groups_each * len(producers)):
-            buf.sample(group, learner_version=0, timeout=120)
-        ray.get(done)
-    finally:
-        buf.close()
+def run_buffer(buf, producers, n_groups_each: int, group: int, tag: str) -> None:
+    done = [p.buffer.remote(buf, f"{tag}-{i}", n_groups_each) for i, p in enumerate(producers)]
+    for _ in range(n_groups_each * len(producers)):
+        buf.sample(group, learner_version=0, timeout=120)
+    ray.get(done)
 
 
 def throughput(quick: bool) -> None:
     print(f"{'size':>5} {'prod':>4} | {'raw smp/s':>10} {'MB/s':>7} | {'queue smp/s':>11} {'MB/s':>7} | "
-          f"{'buffer smp/s':>12} {'MB/s':>7} | {'buf/raw':>7} {'buf/queue':>9}")
+          f"{'buffer smp/s':>12} {'MB/s':>7} | {'fast smp/s':>10} {'MB/s':>7} | {'buf/raw':>7} "
+          f"{'buf/queue':>9} {'fast/raw':>8} {'fast/queue':>10}")
+    # actors are started outside the timed regions: starting one costs seconds on a loaded 2-core box
+    buf = make_replay_buffer(NS(sampler="fifo", max_size=1 << 20), NS(max_off_policy_threshold=None),
+                             NS(num_data_storage_units=2, memory_budget_bytes=256 * 1024**2), use_ray=True)
+    fast = make_replay_buffer(NS(sampler="fifo", max_size=1 << 20), NS(max_off_policy_threshold=None),
+                              NS(num_data_storage_units=2, memory_budget_bytes=256 * 1024**2,
+                                 producer_owned_payloads=True), use_ray=True)
+    q = Queue(maxsize=64)
     for label, nbytes, group, total in SIZES:
         if quick:
             total //= 4
         for n_prod in PRODUCERS:
             producers = [Producer.remote(nbytes, group) for _ in range(n_prod)]
             ray.get([p.__ray_ready__.remote() for p in producers])
+            buf.clear()  # a new schema per sample size
+            fast.clear()
             n_groups_each = max(1, total // group // n_prod)
             n = n_groups_each * group * n_prod
             rates = {}
             for name, fn in [("raw", lambda: run_raw(producers, n_groups_each)),
-                             ("queue", lambda: run_queue(producers, n_groups_each, group)),
-                             ("buffer", lambda: run_buffer(producers, n_groups_each, group,
-                                                           f"{label}-{n_prod}-{time.time_ns()}"))]:
+                             ("queue", lambda: run_queue(q, producers, n_groups_each, group)),
+                             ("buffer", lambda: run_buffer(buf, producers, n_groups_each, group,
+                                                           f"{label}-{n_prod}")),
+                             ("fast", lambda: run_buffer(fast, producers, n_groups_each, group,
+                                                         f"{label}-{n_prod}"))]:
                 t = time.perf_counter()
                 fn()
                 rates[name] = n / (time.perf_counter() - t)
             mb = nbytes / 1024**2
             print(f"{label:>5} {n_prod:>4} | {rates['raw']:>10.0f} {rates['raw'] * mb:>7.0f} | "
                   f"{rates['queue']:>11.0f} {rates['queue'] * mb:>7.0f} | {rates['buffer']:>12.0f} "
-                  f"{rates['buffer'] * mb:>7.0f} | {rates['buffer'] / rates['raw']:>7.2f} "
-                  f"{rates['buffer'] / rates['queue']:>9.2f}", flush=True)
+                  f"{rates['buffer'] * mb:>7.0f} | {rates['fast']:>10.0f} {rates['fast'] * mb:>7.0f} | "
+                  f"{rates['buffer'] / rates['raw']:>7.2f} {rates['buffer'] / rates['queue']:>9.2f} "
+                  f"{rates['fast'] / rates['raw']:>8.2f} {rates['fast'] / rates['queue']:>10.2f}", flush=True)
             for p in producers:
                 ray.kill(p)
+    buf.close()
+    fast.close()
 
 
 def sampling_cost(quick: bool) -> None:

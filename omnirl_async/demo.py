@@ -16,6 +16,9 @@ import time
 from tqdm.auto import tqdm
 
 DEMO_OVERRIDES = [
+    "trainer.v1.trainer_mode=separate_async",
+    "actor_rollout_ref.rollout.num_workers=2",
+    "learner.num_workers=1",
     "trainer.experiment_name=demo",
     "trainer.total_time_minutes=2",
     "trainer.total_training_steps=400",
@@ -50,8 +53,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = summary["global_step"]
     samples = steps * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     print("\n=== demo summary ===")
+    print(f"mode:                 {cfg.trainer.v1.trainer_mode} (max_off_policy_threshold="
+          f"{cfg.trainer.v1.sampler.max_off_policy_threshold}, {cfg.trainer.v1.sampler.max_off_policy_strategy})")
     print(f"steps trained:        {steps} (policy version {summary['version']})")
     print(f"samples trained:      {samples}  ({samples / wall:.1f} samples/s over {wall:.0f} s incl. start-up)")
+    if "staleness_max" in summary:
+        print(f"staleness seen:       mean {summary['staleness_mean']:.2f}, max {summary['staleness_max']:.0f} "
+              f"versions; {summary['dropped_samples']:.0f} samples dropped; learner idle "
+              f"{100 * summary['learner_idle_frac']:.0f}%")
     if curve:
         k = max(1, len(curve) // 5)
         start = sum(v for _, v in curve[:k]) / k

@@ -24,7 +24,11 @@ the unit: they travel inside the controller call, live in the controller's
 heap and come back inside the sample reply – one call each way, since at
 that size a call costs more than the bytes.
 
-Why this and not the alternatives: ``ray.put(..., _owner=unit)`` would save
+The price of durability is a second copy (producer -> unit argument, unit ->
+its own object). ``transfer_queue.producer_owned_payloads = true`` skips it:
+the producer ``ray.put`` s its payload itself (raw object-store speed), and
+data not yet consumed is lost if that producer dies. Why this and not the
+alternatives: ``ray.put(..., _owner=unit)`` would save
 the unit's copy, but Ray removed ``_owner`` in 2.56. Keeping the bytes in the
 units' Python heaps and returning them from a ``get`` costs one more copy per
 read and funnels every read through K Python processes. Placement is by *group* uid rather than by sample key so that a group,
@@ -172,10 +176,12 @@ TransferQueueController = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_CONC
 class RayReplayBuffer(ReplayBuffer):
     """Client of the transfer queue; see the module docstring. Build with :meth:`create`."""
 
-    def __init__(self, controller, units: list, default_timeout: float, *, owner: bool = False) -> None:
+    def __init__(self, controller, units: list, default_timeout: float, producer_owned: bool = False, *,
+                 owner: bool = False) -> None:
         self._controller = controller
         self._units = list(units)
         self._default_timeout = default_timeout
+        self._producer_owned = producer_owned
         self._owner = owner
 
     @classmethod
@@ -189,13 +195,14 @@ class RayReplayBuffer(ReplayBuffer):
         BufferCore(buffer_cfg, sampler_cfg, tq_cfg)  # validate here: config errors surface in the caller
         units = [StorageUnit.remote(i) for i in range(k)]
         controller = TransferQueueController.remote(buffer_cfg, sampler_cfg, tq_cfg, seed, units)
-        buf = cls(controller, units, float(cfg_get(tq_cfg, "put_timeout_s", 600.0)), owner=True)
+        buf = cls(controller, units, float(cfg_get(tq_cfg, "put_timeout_s", 600.0)),
+                  bool(cfg_get(tq_cfg, "producer_owned_payloads", False)), owner=True)
         ray.get(controller.assert_healthy.remote(), timeout=120)
         return buf
 
     def __reduce__(self):
         # Pickles to handles: a copy in another process is a client, never the owner (it won't kill actors).
-        return (RayReplayBuffer, (self._controller, self._units, self._default_timeout))
+        return (RayReplayBuffer, (self._controller, self._units, self._default_timeout, self._producer_owned))
 
     # ------------------------------------------------------------------ calls
     def _wait(self, ref, timeout: float | None):
@@ -219,6 +226,8 @@ class RayReplayBuffer(ReplayBuffer):
         if any(m.status is SampleStatus.SUCCESS for m in metas) and payload:
             if sum(v.nbytes for v in payload.values()) < INLINE_BYTES:
                 ref = payload
+            elif self._producer_owned:  # one copy, but the data dies with this process
+                ref = ray.put(payload)
             else:
                 unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
                 ref = ray.get(unit.store.remote(payload), timeout=self._default_timeout + RPC_GRACE_S)[0]

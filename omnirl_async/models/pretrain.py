@@ -48,9 +48,8 @@ from pathlib import Path
 
 # With 2 threads on cores shared with other jobs, OpenMP's default busy-waiting
 # makes a step 10-30x slower; passive waiting keeps it near the quiet speed.
-# (Only effective when torch is not imported yet, as with `python -m`.)
-if "torch" not in sys.modules:
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The variable is read when torch loads, so `main` re-executes itself with it set.
+_OMP_ENV = "OMP_WAIT_POLICY"
 
 import numpy as np
 import torch
@@ -380,6 +379,51 @@ def evaluate(folder, prompts: list[str] | None = None, *, seed: int = 0, noise_l
     return res
 
 
+def evaluation_report(folder, *, seed: int = 0) -> dict:
+    """Everything ``docs/shapes_model.md`` reports about a saved model.
+
+    Held-out accuracy (256 prompts, ODE and SDE 0.7), the 64-prompt subset the
+    test uses (``heldout_prompts()[::4]``, ODE), parameter counts and the time
+    of one transformer forward at batch 16 on one thread.
+    """
+    from omnirl_async.models.policy import FlowMatchPolicy
+
+    policy = FlowMatchPolicy.from_pretrained(folder)
+    report: dict = {"seed": seed, "num_inference_steps": 10, "max_sequence_length": MAX_SEQUENCE_LENGTH}
+    for name, prompts, nl in (("heldout_ode", None, 0.0), ("heldout_sde07", None, 0.7),
+                              ("subset_ode", heldout_prompts()[::4], 0.0)):
+        res = evaluate(folder, prompts, seed=seed, noise_level=nl, policy=policy)
+        res.pop("images")
+        report[name] = res
+        print(f"{name} (noise_level={nl}, seed {seed}, 10 steps):\n{_fmt(res)}", flush=True)
+    pipe = policy.pipeline
+    report["parameters"] = {k: sum(p.numel() for p in getattr(pipe, k).parameters())
+                            for k in ("transformer", "text_encoder", "text_encoder_2", "vae")}
+    report["parameters"]["vae_decoder"] = sum(p.numel() for p in pipe.vae.decoder.parameters())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x = torch.randn(16, policy.latent_channels, 16, 16)
+    emb = policy.encode_prompt(["a red circle"] * 16, max_sequence_length=MAX_SEQUENCE_LENGTH)
+    sig = torch.full((16,), 0.5)
+    times = []
+    with torch.no_grad():
+        for _ in range(23):
+            t = time.perf_counter()
+            policy.predict_velocity(x, sig, emb)
+            times.append(time.perf_counter() - t)
+        dec = []
+        for _ in range(8):
+            t = time.perf_counter()
+            policy.decode(x, 32, 32)
+            dec.append(time.perf_counter() - t)
+    torch.set_num_threads(threads)
+    report["timing_ms_1thread_batch16"] = {"transformer_forward_median": round(1000 * sorted(times[3:])[10], 1),
+                                           "transformer_forward_min": round(1000 * min(times[3:]), 1),
+                                           "vae_decode_median": round(1000 * sorted(dec)[4], 1)}
+    print(report["parameters"], report["timing_ms_1thread_batch16"], flush=True)
+    return report
+
+
 def _fmt(res: dict) -> str:
     lines = [f"n={res['n']}  score={res['score']:.3f}  strict={res['strict']:.3f}  " + "  ".join(
         f"{t}={res[t]:.3f}" for t in ("color", "shape", "count", "position"))]
@@ -437,13 +481,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--eval-only", metavar="FOLDER", help="only evaluate a saved model on the held-out prompts")
     p.add_argument("--eval-seed", type=int, default=0)
+    p.add_argument("--write-json", action="store_true", help="with --eval-only: write FOLDER/eval.json")
     a = p.parse_args(argv)
+    if _OMP_ENV not in os.environ and a.threads > 1:
+        env = dict(os.environ, **{_OMP_ENV: "PASSIVE"})
+        args = sys.argv[1:] if argv is None else list(argv)
+        os.execve(sys.executable, [sys.executable, "-m", "omnirl_async.models.pretrain", *args], env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if a.eval_only:
         torch.set_num_threads(a.threads)
-        for nl in (0.0, 0.7):
-            res = evaluate(a.eval_only, seed=a.eval_seed, noise_level=nl)
-            print(f"noise_level={nl} (seed {a.eval_seed}, 10 steps):\n{_fmt(res)}")
+        report = evaluation_report(a.eval_only, seed=a.eval_seed)
+        if a.write_json:
+            (Path(a.eval_only) / "eval.json").write_text(json.dumps(report, indent=1))
         return 0
     if not a.out:
         p.error("--out is required (or use --eval-only FOLDER)")
