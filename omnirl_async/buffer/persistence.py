@@ -32,7 +32,7 @@ from safetensors.numpy import load_file, save_file
 from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.samplers import GroupInfo
 from omnirl_async.buffer.schema import Schema
-from omnirl_async.buffer.table import Group, Item
+from omnirl_async.buffer.table import Group, Item, group_ticket
 from omnirl_async.protocol import RefillRequest, SampleMeta
 
 __all__ = ["write_snapshot", "read_snapshot", "FORMAT", "FORMAT_VERSION"]
@@ -201,7 +201,7 @@ def _restore_group(t, gr: GroupRecord, payloads: list[Any]) -> None:
         g.ready = True
         t.ready_samples += len(g.members)
         t.sampler.insert(g.uid, GroupInfo(order=g.order, policy_version=g.version, size=len(g.members),
-                                          priority=g.priority))
+                                          priority=g.priority, ticket=group_ticket(g)))
         if g.version is not None and t.name == "online":
             t.by_version.setdefault(g.version, set()).add(g.uid)
         if g.times_sampled > 0:

@@ -51,6 +51,12 @@ class Item:
         self.meta, self.payload, self.row, self.nbytes = meta, payload, row, nbytes
 
 
+def group_ticket(g: "Group") -> int:
+    """The group's admission ticket (every member carries the same one; -1 = none)."""
+    tickets = [it.meta.tags.ticket for it in g.members.values()] + [m.tags.ticket for m in g.failed.values()]
+    return min(tickets) if tickets else -1
+
+
 class Group:
     __slots__ = ("uid", "size", "order", "members", "failed", "times_sampled", "ready", "priority", "version")
 
@@ -180,7 +186,7 @@ class Table:
         g.ready = True
         self.ready_samples += len(g.members)
         self.sampler.insert(g.uid, GroupInfo(order=g.order, policy_version=g.version, size=len(g.members),
-                                             priority=g.priority))
+                                             priority=g.priority, ticket=group_ticket(g)))
         if self.source is SampleSource.ONLINE and g.version is not None:
             self.by_version.setdefault(g.version, set()).add(g.uid)
 

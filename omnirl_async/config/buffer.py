@@ -12,8 +12,9 @@ __all__ = ["BufferConfig", "TransferQueueConfig"]
 
 @dataclass
 class BufferConfig:
-    sampler: str = opt("fifo", "Which samples a learner batch takes: fifo, uniform, prioritized, freshness.",
-                       choices=("fifo", "uniform", "prioritized", "freshness"))
+    sampler: str = opt("fifo", "Which samples a learner batch takes: fifo (oldest first; in separate_async with "
+                       "the wait strategy: lowest admission ticket first), ticket, uniform, prioritized, freshness.",
+                       choices=("fifo", "ticket", "uniform", "prioritized", "freshness"))
     remover: str = opt("fifo", "Which samples leave a full table first.", choices=("fifo",))
     max_size: int = opt(4096, "Max samples per table.", gt=0)
     max_times_sampled: int = opt(1, "A sample leaves the table after this many uses.", gt=0)
@@ -28,8 +29,8 @@ class BufferConfig:
 
     def validate(self, path: str) -> None:
         if self.offline_mix_ratio > 0:
-            raise ValueError(f"`{path}.offline_mix_ratio` = {self.offline_mix_ratio}: mixing offline data "
-                             "is not built yet; use 0.0.")
+            raise ValueError(f"`{path}.offline_mix_ratio` = {self.offline_mix_ratio}: the buffer can mix an "
+                             "offline table, but ingesting offline data into it is not built yet; use 0.0.")
 
 
 @dataclass
@@ -38,3 +39,6 @@ class TransferQueueConfig:
     total_storage_size: Any = opt(None, "Capacity in samples; null = bounded by memory_budget_bytes.", gt=0)
     memory_budget_bytes: int = opt(2 * 1024**3, "Capacity in bytes when total_storage_size is null.", gt=0)
     put_timeout_s: float = opt(600.0, "How long a producer blocks on a full queue before failing.", gt=0)
+    producer_owned_payloads: bool = opt(False, "Leave payloads owned by the producing worker: one copy less "
+                                        "(full object-store speed), but unconsumed samples of a worker that dies "
+                                        "are lost. Default false: storage units own the data.")

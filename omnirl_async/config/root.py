@@ -61,6 +61,12 @@ class DiffusionTrainerConfig:
         if (aro.actor.ppo_mini_batch_size * n) % self.learner.num_workers:
             raise ValueError(f"`learner.num_workers` = {self.learner.num_workers} must divide the samples of one "
                              f"mini-batch (ppo_mini_batch_size x rollout.n = {aro.actor.ppo_mini_batch_size * n}).")
+        v1 = self.trainer.v1
+        if v1.trainer_mode == "separate_async" and v1.sampler.max_off_policy_strategy == "wait" and \
+                self.buffer.sampler not in ("fifo", "ticket") and v1.sampler.custom_sampler.path is None:
+            raise ValueError(f"`buffer.sampler` = {self.buffer.sampler!r} cannot keep the staleness bound of "
+                             "`trainer.v1.sampler.max_off_policy_strategy` = wait (it may leave an old group "
+                             "behind until it is too stale); use fifo, or the drop strategy.")
         if aro.rollout.algo.sde_type == "cps" and aro.actor.diffusion_loss.clip_ratio > 1e-3:
             import warnings
 

@@ -26,6 +26,7 @@ agree.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -73,7 +74,11 @@ class SeparateAsyncTrainer(BaseTrainer):
                                                                **self.dispatcher_kwargs())
 
     def make_buffer(self):
-        return make_replay_buffer(self.config.buffer, self.sampler_config(), self.config.transfer_queue,
+        buffer_cfg = self.config.buffer
+        if self.strategy == "wait" and buffer_cfg.sampler == "fifo":
+            # FIFO in admission order: the oldest ticket first keeps every lag within the threshold
+            buffer_cfg = dataclasses.replace(buffer_cfg, sampler="ticket")
+        return make_replay_buffer(buffer_cfg, self.sampler_config(), self.config.transfer_queue,
                                   use_ray=True, seed=self.config.data.seed)
 
     def make_worker(self, index: int, **options):
@@ -164,7 +169,15 @@ class SeparateAsyncTrainer(BaseTrainer):
     def rollout_stats(self) -> dict[str, float]:
         import ray
 
-        stats = ray.get([w.stats.remote() for w in self.workers])
+        self.check_workers()
+        stats = []
+        for w in self.workers:
+            try:
+                stats.append(ray.get(w.stats.remote(), timeout=60))
+            except ray.exceptions.RayActorError:
+                continue  # died since check_workers(); replaced on the next check
+        if not stats:
+            return {}
         wall = sum(s["wall_s"] for s in stats) or 1.0
         return {"perf/rollout_idle_frac": sum(s["idle_s"] for s in stats) / wall,
                 "rollout/samples_generated": float(sum(s["samples"] for s in stats)),

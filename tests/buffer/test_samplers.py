@@ -10,10 +10,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnirl_async.buffer.samplers import (SAMPLERS, FifoSampler, FreshnessSampler, GroupInfo, PrioritizedSampler,
-                                          Sampler, SumTree, UniformSampler, load_custom_sampler, make_sampler)
+                                          Sampler, SumTree, TicketSampler, UniformSampler, load_custom_sampler,
+                                          make_sampler)
 
-ALL = [FifoSampler, UniformSampler, lambda: PrioritizedSampler(0.6), lambda: FreshnessSampler(0.5)]
-IDS = ["fifo", "uniform", "prioritized", "freshness"]
+ALL = [FifoSampler, UniformSampler, lambda: PrioritizedSampler(0.6), lambda: FreshnessSampler(0.5), TicketSampler]
+IDS = ["fifo", "uniform", "prioritized", "freshness", "ticket"]
 
 # ops: (True, priority, version) = insert a new id; (False, k) = remove the k-th live id
 ops_st = st.lists(st.one_of(
@@ -174,4 +175,19 @@ def test_custom_sampler_from_file(tmp_path):
 
 
 def test_registry_complete():
-    assert set(SAMPLERS) == {"fifo", "uniform", "prioritized", "freshness"}
+    assert set(SAMPLERS) == {"fifo", "uniform", "prioritized", "freshness", "ticket"}
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.integers(-1, 30), st.booleans()), min_size=1, max_size=40, unique_by=lambda x: x[0]))
+def test_ticket_sampler_yields_lowest_ticket_first(entries):
+    s = TicketSampler()
+    live = {}
+    for order, (ticket, keep) in enumerate(entries):
+        s.insert(f"g{order}", GroupInfo(order=order, policy_version=0, size=1, ticket=ticket))
+        live[f"g{order}"] = (ticket if ticket >= 0 else float("inf"), order)
+        if not keep:
+            s.remove(f"g{order}")
+            del live[f"g{order}"]
+    drawn = list(s.draw(np.random.default_rng(0), learner_version=0))
+    assert drawn == sorted(live, key=live.get)  # by ticket; untickted groups last, by readiness

@@ -11,16 +11,18 @@ from omnirl_async.buffer.samplers.base import GroupInfo, Sampler
 from omnirl_async.buffer.samplers.fifo import FifoSampler
 from omnirl_async.buffer.samplers.freshness import FreshnessSampler
 from omnirl_async.buffer.samplers.prioritized import PrioritizedSampler, SumTree
+from omnirl_async.buffer.samplers.ticket import TicketSampler
 from omnirl_async.buffer.samplers.uniform import UniformSampler
 
 __all__ = ["GroupInfo", "Sampler", "FifoSampler", "UniformSampler", "PrioritizedSampler", "FreshnessSampler",
-           "SumTree", "SAMPLERS", "make_sampler", "load_custom_sampler"]
+           "TicketSampler", "SumTree", "SAMPLERS", "make_sampler", "load_custom_sampler"]
 
 SAMPLERS: dict[str, type[Sampler]] = {
     "fifo": FifoSampler,
     "uniform": UniformSampler,
     "prioritized": PrioritizedSampler,
     "freshness": FreshnessSampler,
+    "ticket": TicketSampler,
 }
 
 

@@ -31,6 +31,7 @@ class GroupInfo:
     policy_version: int | None   # oldest policy version among its members; None = offline
     size: int                    # successful members (rows it contributes)
     priority: float = 1.0        # initial priority (prioritized sampler)
+    ticket: int = -1             # admission ticket (training order under the wait strategy); -1 = none
 
 
 class Sampler(ABC):
