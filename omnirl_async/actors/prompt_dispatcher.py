@@ -171,6 +171,21 @@ class PromptDispatcher:
                 if entry is not None:
                     self._returned.appendleft(entry[0])
 
+    def requeue(self, group_uid: str, prompt: str, n: int, *, global_step: int | None = None) -> None:
+        """Generate a group again under the same ``group_uid`` (the buffer evicted it: a member failed).
+
+        It gets a new ticket at the end of the training order, so admission
+        control treats it like any new prompt.
+        """
+        with self._lock:
+            step = global_step if global_step is not None else self._next_ticket // (self.batch_groups or 1) + 1
+            seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1 + 7919
+            index = self.prompts.index(prompt) if prompt in self.prompts else -1
+            self._returned.append(PromptLease(lease_id=new_uid(), group_uid=group_uid, prompt=prompt,
+                                              epoch=self.epoch, index=index, n=n, seed=seed, global_step=step,
+                                              negative_prompt=self.negative_prompt, ticket=self._next_ticket))
+            self._next_ticket += 1
+
     def release_worker(self, worker_id: str) -> int:
         """Return every lease held by a (dead) worker; returns how many."""
         with self._lock:

@@ -220,6 +220,8 @@ class SeparateAsyncTrainer(BaseTrainer):
                         self.buffer.num_ready_samples(self.version) == 0:
                     break
                 batch = self.sample_batch(timer)
+                for r in self.buffer.take_refill_requests():  # evicted for a failed member: generate again
+                    self.dcall("requeue", r.group_uid, r.prompt, r.n)
                 compat = self.config.trainer.v1.separate_async.sync_compatible
                 if compat:
                     self.dcall("pause", True)

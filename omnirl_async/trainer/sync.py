@@ -28,12 +28,28 @@ class SyncTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ phases
     def generate(self, timer: Timer):
-        """Lease one batch of prompts, generate on every worker, put the groups into the buffer."""
-        import ray
+        """Lease one batch of prompts, generate on every worker, put the groups into the buffer.
 
+        Groups the buffer evicted because a member failed (``drop_incomplete_groups``)
+        are generated again within the same step, up to the configured rounds.
+        """
         leases = self.dispatcher.lease(self.batch_prompts, global_step=self.global_step + 1)
         if not leases:
             return None
+        gen = self._generate_leases(leases, timer)
+        while refills := self.buffer.take_refill_requests():
+            for r in refills:
+                self.dispatcher.requeue(r.group_uid, r.prompt, r.n, global_step=self.global_step + 1)
+            again = self.dispatcher.lease(len(refills), global_step=self.global_step + 1)
+            more = self._generate_leases(again, timer)
+            gen["rewards"] = np.concatenate([gen["rewards"], more["rewards"]])
+            gen["failed"] = np.concatenate([gen["failed"], more["failed"]])
+            gen["num"] += more["num"]
+        return gen
+
+    def _generate_leases(self, leases, timer: Timer) -> dict:
+        import ray
+
         shards = [leases[i::len(self.workers)] for i in range(len(self.workers))]
         with timer("gen"):
             refs = [w.generate.remote(s) for w, s in zip(self.workers, shards) if s]

@@ -86,3 +86,13 @@ def test_seeds_follow_base_seed_plus_step_and_null_disables():
 def test_empty_prompt_set_is_an_error():
     with pytest.raises(ValueError, match="data.train_files"):
         PromptDispatcher([], n=2)
+
+
+def test_requeue_keeps_the_group_uid_and_takes_a_new_ticket():
+    d = PromptDispatcher(PROMPTS, n=2, shuffle=False, batch_groups=2)
+    first = d.lease(2, global_step=1)
+    d.complete([x.lease_id for x in first])
+    d.requeue(first[1].group_uid, first[1].prompt, 2, global_step=1)
+    again = d.lease(1, global_step=1)[0]
+    assert again.group_uid == first[1].group_uid and again.prompt == first[1].prompt
+    assert again.ticket == 2 and again.seed != first[1].seed  # fresh noise for the retry
