@@ -27,7 +27,7 @@ from collections import deque
 
 import numpy as np
 
-from omnirl_async.actors.staleness import AdmissionController
+from omnirl_async.actors.staleness import AdmissionController, LockedState
 from omnirl_async.protocol import PromptLease, new_uid
 
 __all__ = ["PromptDispatcher", "sample_seeds"]
@@ -41,7 +41,7 @@ def sample_seeds(lease: PromptLease) -> list[int | None]:
     return [int(s) for s in state]
 
 
-class PromptDispatcher:
+class PromptDispatcher(LockedState):
     def __init__(self, prompts: list[str], *, n: int, shuffle: bool = True, data_seed: int = 1,
                  rollout_seed: int | None = 42, total_epochs: int | None = None,
                  negative_prompt: str | None = None, admission: AdmissionController | None = None,
@@ -65,15 +65,6 @@ class PromptDispatcher:
         self._cursor = 0
         self._returned: deque[PromptLease] = deque()  # released leases, re-issued with the same ticket
         self._outstanding: dict[str, tuple[PromptLease, str]] = {}
-
-    def __getstate__(self):  # locks do not travel (STYLE guideline 7)
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ order
     def _epoch_order(self, epoch: int) -> list[int]:

@@ -34,10 +34,23 @@ from __future__ import annotations
 import math
 import threading
 
-__all__ = ["AdmissionController"]
+__all__ = ["AdmissionController", "LockedState"]
 
 
-class AdmissionController:
+class LockedState:
+    """Base for lock-guarded objects that travel to Ray actors: the lock stays behind (STYLE guideline 7)."""
+
+    def __getstate__(self):
+        state = self.__dict__.copy()
+        del state["_lock"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+
+class AdmissionController(LockedState):
     """Lock-guarded ticket bookkeeping for the ``wait`` strategy (and plain counting for ``drop``)."""
 
     def __init__(self, *, threshold: int, batch_groups: int, updates_per_version: int = 1,
@@ -57,15 +70,6 @@ class AdmissionController:
         self.max_ahead_batches = max_ahead_batches
         self._lock = threading.Lock()
         self.learner_updates = 0  # updates the learner has finished (it trains ticket order)
-
-    def __getstate__(self):  # locks do not travel (STYLE guideline 7)
-        state = self.__dict__.copy()
-        del state["_lock"]
-        return state
-
-    def __setstate__(self, state):
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ rule (1)
     def ticket_limit(self, worker_version: int) -> float:

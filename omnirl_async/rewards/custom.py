@@ -13,11 +13,10 @@ the ``(path, name)`` pair and loads the file again in the receiving process.
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-import sys
 from typing import Callable
+
+from omnirl_async.userfiles import exec_user_file
 
 __all__ = ["load_custom_reward_fn"]
 
@@ -31,33 +30,10 @@ def load_custom_reward_fn(
     when the file is missing, is not a ``.py`` file, fails to execute, lacks
     ``name``, or ``name`` is not callable.
     """
-    if not path:
-        raise ValueError(f"`{key}.path` is empty; set it to a .py file that defines `{name}`")
     if not name or not isinstance(name, str):
         raise ValueError(f"`{key}.name` must name a function in {str(path)!r}, got {name!r}")
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if not os.path.isfile(path):
-        raise ValueError(f"`{key}.path` = {path!r} does not exist; point it at a .py file that defines `{name}`")
-    if not path.endswith(".py"):
-        raise ValueError(f"`{key}.path` = {path!r} is not a .py file")
-
-    digest = hashlib.sha1(path.encode()).hexdigest()[:12]
-    mod_name = f"omnirl_async_custom_reward_{digest}"
-    module = sys.modules.get(mod_name)
-    if module is None or getattr(module, "__file__", None) != path:
-        spec = importlib.util.spec_from_file_location(mod_name, path)
-        if spec is None or spec.loader is None:
-            raise ValueError(f"`{key}.path` = {path!r} cannot be loaded as a Python module")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = module
-        try:
-            spec.loader.exec_module(module)
-        except Exception as e:
-            sys.modules.pop(mod_name, None)
-            raise ValueError(
-                f"`{key}.path` = {path!r} raised while being executed: {type(e).__name__}: {e}"
-            ) from e
-
+    module = exec_user_file(path, key=key, kind="reward", wanted=f"`{name}`")
+    path = module.__file__
     if not hasattr(module, name):
         public = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         raise ValueError(

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from typing import Any, Mapping
 
 from omnirl_async.buffer.samplers.base import GroupInfo, Sampler
+from omnirl_async.userfiles import exec_user_file
 from omnirl_async.buffer.samplers.fifo import FifoSampler
 from omnirl_async.buffer.samplers.freshness import FreshnessSampler
 from omnirl_async.buffer.samplers.prioritized import PrioritizedSampler, SumTree
@@ -31,21 +29,9 @@ def load_custom_sampler(path: str, name: str) -> type[Sampler]:
     where = "`trainer.v1.sampler.custom_sampler`"
     if not path or not name:
         raise ValueError(f"{where} needs both `path` and `name` (got path={path!r}, name={name!r})")
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    if not os.path.isfile(path):
-        raise ValueError(f"{where}.path = {path!r}: no such file; give the path of a .py file defining "
-                         f"class {name!r}")
-    mod_name = f"omnirl_async_custom_sampler_{abs(hash(path)):x}"
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"{where}.path = {path!r}: not an importable Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file: report what failed in it
-        sys.modules.pop(mod_name, None)
-        raise ValueError(f"{where}.path = {path!r}: importing it failed: {type(exc).__name__}: {exc}") from exc
+    module = exec_user_file(path, key="trainer.v1.sampler.custom_sampler", kind="sampler",
+                            wanted=f"class {name!r}")
+    path = module.__file__
     cls = getattr(module, str(name), None)
     if cls is None:
         found = sorted(k for k, v in vars(module).items() if isinstance(v, type) and issubclass(v, Sampler)
