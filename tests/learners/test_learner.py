@@ -130,3 +130,22 @@ def test_several_mini_batches_and_epochs_count_updates(small_overrides):
     learner = Learner(cfg)
     metrics = learner.update(fields, [m.tags.group_uid for m in metas])
     assert metrics["actor/num_updates"] == 4.0  # 2 mini-batches x 2 epochs
+
+
+def test_full_weight_path_when_lora_rank_is_zero(small_overrides):
+    cfg = load_config(small_overrides + ["actor_rollout_ref.model.lora_rank=0", "actor_rollout_ref.actor.optim.lr=1e-3"])
+    metas, fields = _generate(cfg)
+    learner = Learner(cfg)
+    n_params = sum(p.numel() for p in learner.policy.transformer.parameters())
+    assert sum(p.numel() for p in learner.params) == n_params  # everything trains
+    learner.update(fields, [m.tags.group_uid for m in metas])
+    weights = learner.get_weights()
+    assert not any("lora" in k for k in weights)
+    worker = RolloutWorker(cfg)
+    worker.set_weights(1, {k: v.numpy() for k, v in weights.items()})
+    x = torch.randn(2, *fields["latents"].shape[2:])
+    emb = worker.policy.encode_prompt(["two red circles"] * 2, max_sequence_length=8)
+    s = torch.full((2,), 0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(worker.policy.predict_velocity(x, s, emb), learner.policy.predict_velocity(x, s, emb),
+                                   rtol=0, atol=0)
