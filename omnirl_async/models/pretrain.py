@@ -504,9 +504,10 @@ def _fmt(res: dict) -> str:
 
 
 # --------------------------------------------------------------------------- main
-def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 0.2, ae_steps: int | None = None,
-             flow_steps: int | None = None, batch_size: int = 64, ae_batch_size: int = 32, lr: float = 1e-3,
-             text_lr: float = 1e-3, ae_lr: float = 2e-3, kl_weight: float = 1e-3, ema_decay: float = 0.998,
+def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 0.18, ae_steps: int | None = None,
+             flow_steps: int | None = None, decoder_fraction: float = 0.08, decoder_steps: int | None = None,
+             batch_size: int = 32, ae_batch_size: int = 32, lr: float = 2e-3, decoder_lr: float = 1e-3,
+             text_lr: float = 2e-3, ae_lr: float = 2e-3, kl_weight: float = 1e-3, ema_decay: float = 0.998,
              prompt_dropout: float = 0.1, eval_every: int = 500, threads: int = 2, progress: bool = True,
              cfg: ShapesModelConfig = ShapesModelConfig()) -> Path:
     """Train both stages and ``save_pretrained`` the pipeline into ``out``."""
@@ -526,9 +527,22 @@ def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 
     log["ae_seconds"] = round(time.perf_counter() - t0, 1)
     pipe = build_shapes_pipeline(seed, cfg, vae=vae)
     remaining = budget - (time.perf_counter() - t0) - 20.0  # keep ~20 s for saving
-    train_flow(pipe, stream, seconds=remaining, steps=flow_steps, batch_size=batch_size, lr=lr, text_lr=text_lr,
-               ema_decay=ema_decay, dropout=prompt_dropout, seed=seed, eval_every=eval_every, log=log,
-               progress=progress)
+    dec_seconds = budget * decoder_fraction
+    train_flow(pipe, stream, seconds=remaining - dec_seconds, steps=flow_steps, batch_size=batch_size, lr=lr,
+               text_lr=text_lr, ema_decay=ema_decay, dropout=prompt_dropout, seed=seed, eval_every=eval_every,
+               log=log, progress=progress)
+    log["flow_seconds"] = round(time.perf_counter() - t0 - log["ae_seconds"], 1)
+    if decoder_fraction > 0 or decoder_steps:
+        for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
+            m.eval().requires_grad_(False)
+        remaining = budget - (time.perf_counter() - t0) - 20.0
+        refine_decoder(pipe, stream, seconds=remaining, steps=decoder_steps, batch_size=ae_batch_size,
+                       lr=decoder_lr, t_range=(0.15, 0.5), clean_fraction=0.25, seed=seed, log=log,
+                       progress=progress)
+        log["decoder_check"] = {k: round(v, 4) for k, v in _score(
+            quick_sample(pipe, PromptStream(seed + 3).prompts(64), seed=10_000),
+            PromptStream(seed + 3).prompts(64)).items()}
+        logger.info("after decoder refinement, train-prompt sample accuracy %s", log["decoder_check"])
     log["total_seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(out)
     pipe.save_pretrained(out, safe_serialization=True)
@@ -542,11 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", help="output folder (a StableDiffusion3Pipeline is saved there)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=25.0, help="total wall-clock budget, both stages")
-    p.add_argument("--ae-fraction", type=float, default=0.2, help="share of the budget for the autoencoder")
+    p.add_argument("--ae-fraction", type=float, default=0.18, help="share of the budget for the autoencoder")
+    p.add_argument("--decoder-fraction", type=float, default=0.08, help="share of the budget for decoder refinement")
+    p.add_argument("--decoder-steps", type=int, default=None, help="fixed decoder refinement steps")
     p.add_argument("--ae-steps", type=int, default=None, help="fixed autoencoder steps (overrides the timing)")
     p.add_argument("--flow-steps", type=int, default=None, help="fixed flow steps (overrides the timing)")
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=500, help="steps between train-prompt sample checks (0: off)")
     p.add_argument("--no-progress", action="store_true")
@@ -568,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.out:
         p.error("--out is required (or use --eval-only FOLDER)")
     pretrain(a.out, seed=a.seed, minutes=a.minutes, ae_fraction=a.ae_fraction, ae_steps=a.ae_steps,
-             flow_steps=a.flow_steps, batch_size=a.batch_size, lr=a.lr, eval_every=a.eval_every, threads=a.threads,
+             flow_steps=a.flow_steps, decoder_fraction=a.decoder_fraction, decoder_steps=a.decoder_steps,
+             batch_size=a.batch_size, lr=a.lr, text_lr=a.lr, eval_every=a.eval_every, threads=a.threads,
              progress=not a.no_progress)
     return 0
 
