@@ -13,7 +13,10 @@ The class is plain Python; the trainer wraps it with ``ray.remote``.
 from __future__ import annotations
 
 import os
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -53,6 +56,9 @@ class RolloutWorker:
                                 window_range=algo.sde_window_range, strategy=algo.sample_strategy,
                                 iters_per_group=algo.iters_per_group, seed=algo.sde_window_seed)
         self.version = 0
+        self.max_inflight_scores = 4  # groups being scored while the next one is sampled
+        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight_scores, thread_name_prefix="score")
+        self._count_lock = threading.Lock()
         self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
                          "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "wall_s": 0.0}
 
@@ -80,6 +86,7 @@ class RolloutWorker:
         from omnirl_async.learners.weight_store import fetch_weights_if_newer
 
         t_start = time.perf_counter()
+        inflight: deque = deque()
         while True:
             t0 = time.perf_counter()
             newer = fetch_weights_if_newer(store, self.version)
@@ -97,18 +104,16 @@ class RolloutWorker:
                 time.sleep(poll_s)  # admission control says wait (or paused)
                 self.counters["idle_s"] += time.perf_counter() - t1
                 continue
-            metas, fields, st = self.generate(leases)
+            group = self._sample_group(leases[0], self.window.select(leases[0].global_step))
             if slowdown_s:
                 time.sleep(slowdown_s)
-            t2 = time.perf_counter()
-            buffer.put(metas, fields, timeout=put_timeout)
-            ray.get(dispatcher.complete.remote([x.lease_id for x in leases]))
-            self.counters["put_s"] += time.perf_counter() - t2
-            self.counters["groups"] += len(leases)
-            self.counters["samples"] += len(metas)
-            self.counters["gen_s"] += st["timing_s/gen"]
-            self.counters["reward_s"] += st["timing_s/reward"]
+            # scoring, put and completion run in the pool while the next group is sampled
+            inflight.append(self._pool.submit(self._finish_group, group, dispatcher, buffer, put_timeout))
+            while len(inflight) >= self.max_inflight_scores or (inflight and inflight[0].done()):
+                inflight.popleft().result()  # re-raises a failure of that stage here
             self.counters["wall_s"] = time.perf_counter() - t_start
+        for fut in inflight:
+            fut.result()
         self.counters["wall_s"] = time.perf_counter() - t_start
         return self.stats()
 
@@ -135,63 +140,90 @@ class RolloutWorker:
         return {"metrics": res.metrics, "images": res.images, "prompts": res.prompts,
                 "strict": next((v for k, v in res.extra.items() if k.endswith("strict")), None)}
 
+    def _finish_group(self, group, dispatcher, buffer, put_timeout: float) -> None:
+        """Score, put into the buffer, complete the lease (one group, in a pool thread)."""
+        import ray
+
+        metas, fields, (gen_s, reward_s) = self._score_group(group)
+        t0 = time.perf_counter()
+        buffer.put(metas, fields, timeout=put_timeout)
+        ray.get(dispatcher.complete.remote([group["lease"].lease_id]))
+        with self._count_lock:
+            self.counters["put_s"] += time.perf_counter() - t0
+            self.counters["groups"] += 1
+            self.counters["samples"] += len(metas)
+            self.counters["gen_s"] += gen_s
+            self.counters["reward_s"] += reward_s
+
     # ------------------------------------------------------------------ generation
     def generate(self, leases: list[PromptLease], *, iteration: int | None = None) -> GeneratedBatch:
-        """Generate and score every lease; returns (metas, fields, stats) for whole groups."""
+        """Generate and score every lease; returns (metas, fields, stats) for whole groups.
+
+        Scoring of one group overlaps the generation of the next (a reward
+        server's latency is hidden behind the sampler), in a small thread pool.
+        """
         if not leases:
             return [], {}, {}
-        pcfg, acfg = self.rollout_cfg.pipeline, self.rollout_cfg.algo
-        version = self.version
         it = leases[0].global_step if iteration is None else iteration
         window = self.window.select(it)
-        metas: list[SampleMeta] = []
-        chunks: list[dict[str, np.ndarray]] = []
-        t_gen = t_reward = 0.0
+        futures = []
         for lease in leases:
-            t0 = time.perf_counter()
-            prompts = [lease.prompt] * lease.n
-            neg = [lease.negative_prompt or pcfg.negative_prompt] * lease.n if pcfg.true_cfg_scale > 1 else None
-            emb = self.policy.encode_prompt([lease.prompt], negative_prompts=neg[:1] if neg else None,
-                                            max_sequence_length=pcfg.max_sequence_length)
-            seeds = sample_seeds(lease)
-            micro = self.rollout_cfg.micro_batch_size or lease.n
-            parts = []
-            for lo in range(0, lease.n, micro):
-                chunk = seeds[lo:lo + micro]
-                if acfg.sde_type == "dance" and lo > 0:  # DanceGRPO: the whole group shares its initial noise
-                    chunk = [seeds[0]] + chunk
-                out = sample_with_logprob(
-                    self.policy, emb.repeat_interleave(len(chunk)), seeds=chunk, height=pcfg.height,
-                    width=pcfg.width, num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
-                    sde_type=acfg.sde_type, window=window, true_cfg_scale=pcfg.true_cfg_scale,
-                    guidance_scale=pcfg.guidance_scale,
-                    shared_noise_groups=[0] * len(chunk) if acfg.sde_type == "dance" else None)
-                part = out.to_fields()
-                if acfg.sde_type == "dance" and lo > 0:
-                    part = {k: v[1:] for k, v in part.items()}
-                parts.append(part)
-            fields = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
-            t1 = time.perf_counter()
-            scored = self.reward(fields["images"], prompts)
-            t2 = time.perf_counter()
-            t_gen += t1 - t0
-            t_reward += t2 - t1
-            fields.update({f"emb.{k}": v for k, v in emb.repeat_interleave(lease.n).to_numpy().items()})
-            fields["rewards"] = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
-            for name, arr in scored.extra.items():
-                fields["extra." + name.replace("/", ".")] = np.asarray(arr, dtype=np.float32)
-            chunks.append(fields)
-            for k in range(lease.n):
-                failed = bool(scored.failed[k])
-                tags = SampleTags(uid=new_uid(), group_uid=lease.group_uid, sample_index=k, group_size=lease.n,
-                                  policy_version=version, global_step=lease.global_step, seed=seeds[k],
-                                  prompt=lease.prompt, epoch=lease.epoch, ticket=lease.ticket)
-                metas.append(SampleMeta(key=tags.uid, tags=tags,
-                                        status=SampleStatus.FAILURE if failed else SampleStatus.SUCCESS,
-                                        reason=scored.reasons[k] if failed else None,
-                                        reward=None if failed else float(scored.scores[k]),
-                                        timings={"gen_s": (t1 - t0) / lease.n, "reward_s": (t2 - t1) / lease.n}))
-        fields = {k: np.concatenate([c[k] for c in chunks]) for k in chunks[0]}
-        stats = {"timing_s/gen": t_gen, "timing_s/reward": t_reward, "rollout/version": float(version),
-                 "rollout/window_start": float(window[0]) if window else 0.0}
+            group = self._sample_group(lease, window)
+            futures.append(self._pool.submit(self._score_group, group))
+        done = [f.result() for f in futures]
+        metas = [m for ms, _, _ in done for m in ms]
+        fields = {k: np.concatenate([f[k] for _, f, _ in done]) for k in done[0][1]}
+        stats = {"timing_s/gen": sum(g for _, _, (g, _) in done), "timing_s/reward": sum(r for _, _, (_, r) in done),
+                 "rollout/version": float(self.version), "rollout/window_start": float(window[0]) if window else 0.0}
         return metas, fields, stats
+
+    def _sample_group(self, lease: PromptLease, window) -> dict[str, Any]:
+        """Stage 1 (the policy, this thread): the ``n`` trajectories of one lease."""
+        pcfg, acfg = self.rollout_cfg.pipeline, self.rollout_cfg.algo
+        t0 = time.perf_counter()
+        neg = [lease.negative_prompt or pcfg.negative_prompt] if pcfg.true_cfg_scale > 1 else None
+        emb = self.policy.encode_prompt([lease.prompt], negative_prompts=neg,
+                                        max_sequence_length=pcfg.max_sequence_length)
+        seeds = sample_seeds(lease)
+        micro = self.rollout_cfg.micro_batch_size or lease.n
+        parts = []
+        for lo in range(0, lease.n, micro):
+            chunk = seeds[lo:lo + micro]
+            if acfg.sde_type == "dance" and lo > 0:  # DanceGRPO: the whole group shares its initial noise
+                chunk = [seeds[0]] + chunk
+            out = sample_with_logprob(
+                self.policy, emb.repeat_interleave(len(chunk)), seeds=chunk, height=pcfg.height,
+                width=pcfg.width, num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
+                sde_type=acfg.sde_type, window=window, true_cfg_scale=pcfg.true_cfg_scale,
+                guidance_scale=pcfg.guidance_scale,
+                shared_noise_groups=[0] * len(chunk) if acfg.sde_type == "dance" else None)
+            part = out.to_fields()
+            if acfg.sde_type == "dance" and lo > 0:
+                part = {k: v[1:] for k, v in part.items()}
+            parts.append(part)
+        fields = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+        fields.update({f"emb.{k}": v for k, v in emb.repeat_interleave(lease.n).to_numpy().items()})
+        return {"lease": lease, "fields": fields, "seeds": seeds, "version": self.version,
+                "gen_s": time.perf_counter() - t0}
+
+    def _score_group(self, group: dict[str, Any]) -> tuple[list[SampleMeta], dict[str, np.ndarray], tuple]:
+        """Stage 2 (any thread): reward, then metadata tagged with the version that generated the group."""
+        lease, fields, seeds = group["lease"], group["fields"], group["seeds"]
+        t1 = time.perf_counter()
+        scored = self.reward(fields["images"], [lease.prompt] * lease.n)
+        t_reward = time.perf_counter() - t1
+        fields["rewards"] = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
+        for name, arr in scored.extra.items():
+            fields["extra." + name.replace("/", ".")] = np.asarray(arr, dtype=np.float32)
+        metas = []
+        for k in range(lease.n):
+            failed = bool(scored.failed[k])
+            tags = SampleTags(uid=new_uid(), group_uid=lease.group_uid, sample_index=k, group_size=lease.n,
+                              policy_version=group["version"], global_step=lease.global_step, seed=seeds[k],
+                              prompt=lease.prompt, epoch=lease.epoch, ticket=lease.ticket)
+            metas.append(SampleMeta(key=tags.uid, tags=tags,
+                                    status=SampleStatus.FAILURE if failed else SampleStatus.SUCCESS,
+                                    reason=scored.reasons[k] if failed else None,
+                                    reward=None if failed else float(scored.scores[k]),
+                                    timings={"gen_s": group["gen_s"] / lease.n, "reward_s": t_reward / lease.n}))
+        return metas, fields, (group["gen_s"], t_reward)
