@@ -11,6 +11,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 torch.set_num_threads(1)
 
 SMALL = [
+    "actor_rollout_ref.model.path=embedded:tiny-sd3",
     "data.train_batch_size=2",
     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
     "actor_rollout_ref.rollout.n=4",
