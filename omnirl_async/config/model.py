@@ -11,7 +11,7 @@ __all__ = ["DiffusionModelConfig", "DEFAULT_MODEL_PATH"]
 
 #: ``embedded:<name>`` resolves to a model shipped with (or built by) the package,
 #: see :func:`omnirl_async.models.resolve_model_path`.
-DEFAULT_MODEL_PATH = "embedded:tiny-sd3"
+DEFAULT_MODEL_PATH = "embedded:shapes"
 
 _ALGORITHMS = ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard", "flow_dppo",
                "diffusion_nft", "dpo", "awm")
