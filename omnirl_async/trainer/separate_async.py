@@ -204,7 +204,8 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.publish_weights()
         for i in range(len(self.workers)):
             self._start_worker(i)
-        bar = tqdm(total=total, initial=self.global_step, desc=f"async FlowGRPO (lag<={self.threshold})",
+        bar = tqdm(total=None if self.config.trainer.total_time_minutes else total, initial=self.global_step,
+                   desc=f"async FlowGRPO (lag<={self.threshold})",
                    unit="step", disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
         deadline = (time.monotonic() + 60.0 * self.config.trainer.total_time_minutes
                     if self.config.trainer.total_time_minutes else None)

@@ -89,7 +89,8 @@ class SyncTrainer(BaseTrainer):
             self.publish_weights()
         if self.config.trainer.val_before_train:
             self.tracking.log(self.validate(), self.global_step)
-        bar = tqdm(total=total, initial=self.global_step, desc="sync FlowGRPO", unit="step",
+        bar = tqdm(total=None if self.config.trainer.total_time_minutes else total, initial=self.global_step,
+                   desc="sync FlowGRPO", unit="step",
                    disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
         deadline = None
         if self.config.trainer.total_time_minutes:
