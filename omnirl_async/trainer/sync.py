@@ -76,6 +76,10 @@ class SyncTrainer(BaseTrainer):
         """Sample every ready group (lag 0) and run one learner update on it."""
         with timer("sample"):
             ready = self.buffer.num_ready_samples(self.version)
+            if ready == 0:
+                raise RuntimeError(f"step {self.global_step + 1}: no sample of this batch can be trained (every "
+                                   "group failed reward scoring); see critic/rewards/failed_frac and the reward "
+                                   "function's errors")
             batch = self.buffer.sample(ready, learner_version=self.version, timeout=60.0)
         group_ids = [m.tags.group_uid for m in batch.metas]
         with timer("update_actor"):
