@@ -38,10 +38,28 @@ def _to_tensor_dict(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
 
 
+def lower_cpu_priority(increment: int) -> int:
+    """Add ``increment`` to the niceness of every thread of this process; returns the new niceness.
+
+    On Linux niceness belongs to threads, and ``os.nice`` changes only the calling
+    one, so each existing thread is updated; threads started later inherit it.
+    """
+    target = min(os.getpriority(os.PRIO_PROCESS, 0) + int(increment), 19)
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else [str(os.getpid())]
+    for tid in tasks:
+        try:
+            os.setpriority(os.PRIO_PROCESS, int(tid), target)
+        except (ProcessLookupError, PermissionError):
+            pass  # a thread that ended meanwhile, or one we may not touch
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 class RolloutWorker:
     def __init__(self, config, *, worker_index: int = 0, num_threads: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
+        if config.actor_rollout_ref.rollout.nice:
+            lower_cpu_priority(config.actor_rollout_ref.rollout.nice)
         self.config = config
         self.worker_index = worker_index
         aro = config.actor_rollout_ref

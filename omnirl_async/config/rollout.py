@@ -76,6 +76,9 @@ class DiffusionRolloutConfig:
                                not_built={"old": "the 'old' generation adapter (DiffusionNFT) is not built yet"})
     num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per rollout worker.", gt=0)
     num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per rollout worker.", ge=0)
+    nice: int = opt(0, "CPU niceness added to every rollout worker process (0-19). When workers and learners "
+                       "share CPU cores, a positive value keeps the learner - the critical path of separate_async "
+                       "- at full speed while workers use the cycles left over.", ge=0, le=19)
     pipeline: DiffusionPipelineConfig = field(default_factory=DiffusionPipelineConfig)
     algo: DiffusionRolloutAlgoConfig = field(default_factory=DiffusionRolloutAlgoConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)

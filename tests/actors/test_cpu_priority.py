@@ -1,0 +1,40 @@
+"""`actor_rollout_ref.rollout.nice`: every thread of a rollout worker process runs at the lower priority."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from omnirl_async.config import ConfigError, load_config
+
+SCRIPT = textwrap.dedent("""
+    import os, threading
+    from omnirl_async.actors.rollout_worker import lower_cpu_priority
+    started, stop = threading.Event(), threading.Event()
+    tid = []
+    def body():
+        tid.append(threading.get_native_id()); started.set(); stop.wait()
+    t = threading.Thread(target=body); t.start(); started.wait()
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    new = lower_cpu_priority(5)
+    later = []
+    t2 = threading.Thread(target=lambda: later.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+    t2.start(); t2.join()
+    print(base, new, os.getpriority(os.PRIO_PROCESS, tid[0]), later[0])
+    stop.set(); t.join()
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux behaviour")
+def test_lower_cpu_priority_reaches_existing_and_new_threads():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=True, timeout=120)
+    base, new, existing, later = map(int, out.stdout.split())
+    expected = min(base + 5, 19)
+    assert (new, existing, later) == (expected, expected, expected)
+
+
+@pytest.mark.parametrize("value", [-1, 20])
+def test_nice_out_of_range_is_refused_with_the_key(value):
+    with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.nice"):
+        load_config([f"actor_rollout_ref.rollout.nice={value}"])
