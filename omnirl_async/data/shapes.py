@@ -98,7 +98,7 @@ _NUMBER_NAMES = {1: "one", 2: "two", 3: "three", 4: "four"}
 MAX_COUNT = 4
 
 #: Default object size range in pixels (inclusive), before crowding shrinks it.
-SIZE_RANGE = (6, 11)
+SIZE_RANGE = (8, 14)
 MIN_SIZE = 5
 
 

@@ -17,9 +17,11 @@ never rendered here):
 2. **Flow matching** (the rest): the SD3 transformer and both CLIP text
    encoders learn jointly: ``x_t = (1 - t) x0 + t eps``, target ``v = eps - x0``,
    ``t = shift(u)`` with ``u ~ U(0, 1)`` and SD3's shift 3 (the density with
-   which the inference grid visits t), each rendered batch used for two steps, 10 % of the prompts dropped to ``""`` (so true
-   CFG works), AdamW with warm-up and cosine decay, EMA of the weights (the EMA
-   weights are what is saved).
+   which the inference grid visits t), each rendered batch used for two
+   steps, 10 % of the prompts dropped to ``""`` (so true CFG works), the
+   squared error weighted ``1 + --foreground-weight`` on latent pixels on or
+   next to objects (:func:`foreground_weights`), AdamW with warm-up and cosine
+   decay, EMA of the weights (the EMA weights are what is saved).
 
 Reproducibility: everything is seeded. With ``--minutes`` the number of steps
 of each stage is fixed after timing the first steps (logged); passing
@@ -151,11 +153,49 @@ def _replan(i: int, total: int, t_start: float, t_mark: float, i_mark: int, budg
     return max(i + 1 + int(left / per), i + 2)
 
 
+def _run_stage(name: str, step, *, seconds: float, steps: int | None, progress: bool, curve: list,
+               every: int = 50, replan_at: float = 0.1, overrun: float = 1.1, after_step=None) -> int:
+    """The training loop every stage shares; returns the number of steps run.
+
+    ``step(i, total) -> loss``. With ``steps=None`` the step count is fitted to
+    ``seconds`` from the first (probe) steps, re-planned once after
+    ``replan_at`` of the budget, and the stage stops early past ``overrun``
+    times the budget. ``after_step(i, total, stopping)`` runs after each step
+    (periodic checks); ``curve`` collects ``[step, EMA of the loss]``.
+    """
+    from tqdm import tqdm
+
+    t_start = time.perf_counter()
+    probe = 10
+    total, per = _plan_steps(step, seconds, steps, probe)
+    logger.info("%s: %.3f s/step -> %d steps", name, per, total)
+    bar = tqdm(total=total, initial=probe, desc=name, disable=not progress, file=sys.stderr)
+    avg, i, mark = None, probe, (time.perf_counter(), probe)
+    while i < total:
+        loss = step(i, total)
+        avg = loss if avg is None else 0.98 * avg + 0.02 * loss
+        if i % every == 0 or i == total - 1:
+            curve.append([i, round(avg, 5)])
+            bar.set_postfix(loss=f"{avg:.4f}")
+        if steps is None and mark is not None and time.perf_counter() - t_start > replan_at * seconds:
+            total = _replan(i, total, t_start, mark[0], mark[1], seconds)
+            bar.total, mark = total, None
+            logger.info("%s: re-planned to %d steps", name, total)
+        stopping = steps is None and time.perf_counter() - t_start > seconds * overrun
+        if after_step is not None:
+            after_step(i, total, stopping)
+        bar.update(1)
+        i += 1
+        if stopping:
+            logger.warning("%s: time budget exceeded at step %d of %d; stopping", name, i, total)
+            break
+    bar.close()
+    return i
+
+
 # --------------------------------------------------------------------------- stage 1
 def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: float, steps: int | None,
                       batch_size: int, lr: float, kl_weight: float, seed: int, log: dict, progress: bool):
-    from tqdm import tqdm
-
     torch.manual_seed(seed)
     vae = build_vae(cfg)
     vae.train()
@@ -178,28 +218,8 @@ def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: 
         opt.step()
         return float(loss.detach())
 
-    t_start = time.perf_counter()
-    probe = 10
-    total, per = _plan_steps(step, seconds, steps, probe)
-    logger.info("autoencoder: %.3f s/step -> %d steps", per, total)
-    bar = tqdm(total=total, initial=probe, desc="autoencoder", disable=not progress, file=sys.stderr)
-    ema, i, mark = None, probe, (time.perf_counter(), probe)
-    while i < total:
-        loss = step(i, total)
-        ema = loss if ema is None else 0.98 * ema + 0.02 * loss
-        if i % 50 == 0 or i == total - 1:
-            curve.append([i, round(ema, 5)])
-            bar.set_postfix(loss=f"{ema:.4f}")
-        if steps is None and mark is not None and time.perf_counter() - t_start > 0.15 * seconds:
-            total = _replan(i, total, t_start, mark[0], mark[1], seconds)
-            bar.total, mark = total, None
-            logger.info("autoencoder: re-planned to %d steps", total)
-        bar.update(1)
-        i += 1
-        if steps is None and time.perf_counter() - t_start > seconds * 1.1:
-            logger.warning("autoencoder: time budget exceeded at step %d of %d; stopping", i, total)
-            break
-    bar.close()
+    i = _run_stage("autoencoder", step, seconds=seconds, steps=steps, progress=progress, curve=curve,
+                   replan_at=0.15)
     log["ae_steps"] = i
     vae.eval()
     return vae
@@ -243,11 +263,21 @@ def quick_sample(pipe, prompts: list[str], seed: int, steps: int = 10) -> np.nda
     return to_uint8(img)
 
 
+def foreground_weights(img: torch.Tensor, latent_size: int, weight: float) -> torch.Tensor:
+    """Per-latent-pixel loss weights ``[B, 1, h, w]``: ``1 + weight`` on and next to objects, 1 elsewhere.
+
+    Objects cover a small part of each image; without this, most of the loss is
+    spent on the black background and shape edges are learnt last.
+    """
+    mask = (img.amax(1, keepdim=True) > -0.5).float()  # any channel brighter than ~25 % of full scale
+    mask = torch.nn.functional.adaptive_max_pool2d(mask, latent_size)
+    mask = torch.nn.functional.max_pool2d(mask, 3, stride=1, padding=1)  # one latent pixel of margin
+    return 1.0 + float(weight) * mask
+
+
 def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None, batch_size: int, lr: float,
                text_lr: float, ema_decay: float, dropout: float, seed: int, eval_every: int, log: dict,
-               progress: bool):
-    from tqdm import tqdm
-
+               progress: bool, foreground_weight: float = 0.0):
     torch.manual_seed(seed + 1)
     vae = pipe.vae
     vae.requires_grad_(False)
@@ -277,7 +307,8 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
             with torch.no_grad():
                 cache["x0"] = (vae.encode(img).latent_dist.sample(generator=rng) - sh) * sf
             cache["prompts"] = prompts
-        x0 = cache["x0"]
+            cache["w"] = foreground_weights(img, cache["x0"].shape[-1], foreground_weight)
+        x0, w = cache["x0"], cache["w"]
         drop = torch.rand(batch_size, generator=rng) < dropout
         prompts = ["" if d else p for p, d in zip(cache["prompts"], drop.tolist())]
         # t = shift(u), u ~ U(0, 1): the density with which the (shifted) inference grid visits t.
@@ -289,7 +320,7 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
         pe, pooled = encode_prompts(pipe, prompts)
         v = pipe.transformer(hidden_states=xt, encoder_hidden_states=pe, pooled_projections=pooled,
                              timestep=t * 1000.0, return_dict=False)[0]
-        loss = (v - (eps - x0)).pow(2).mean()
+        loss = ((v - (eps - x0)).pow(2) * w).mean() / w.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
@@ -311,117 +342,29 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
         evals.append({"step": i, **{k: round(v, 4) for k, v in res.items()}})
         logger.info("flow step %d: train-prompt sample accuracy %s", i, evals[-1])
 
-    t_start = time.perf_counter()
-    probe = 10
-    budget = seconds * 0.97  # ~3 % for the periodic evals
-    total, per = _plan_steps(step, budget, steps, probe)
-    logger.info("flow: %.3f s/step -> %d steps", per, total)
-    bar = tqdm(total=total, initial=probe, desc="flow matching", disable=not progress, file=sys.stderr)
-    avg, i, mark = None, probe, (time.perf_counter(), probe)
-    while i < total:
-        loss = step(i, total)
-        avg = loss if avg is None else 0.98 * avg + 0.02 * loss
-        if i % 50 == 0 or i == total - 1:
-            curve.append([i, round(avg, 5)])
-            bar.set_postfix(loss=f"{avg:.4f}")
-        if eval_every and (i % eval_every == 0 or i == total - 1):
+    def after_step(i: int, total: int, stopping: bool) -> None:
+        if eval_every and (i % eval_every == 0 or i == total - 1 or stopping):
             run_eval(i)
-        if steps is None and mark is not None and time.perf_counter() - t_start > 0.1 * seconds:
-            total = _replan(i, total, t_start, mark[0], mark[1], budget)
-            bar.total, mark = total, None
-            logger.info("flow: re-planned to %d steps", total)
-        bar.update(1)
-        i += 1
-        if steps is None and time.perf_counter() - t_start > seconds * 1.08:
-            logger.warning("flow: time budget exceeded at step %d of %d; stopping", i, total)
-            run_eval(i - 1)
-            break
-    bar.close()
+
+    # ~3 % of the budget is kept for the periodic evals
+    i = _run_stage("flow matching", step, seconds=seconds * 0.97, steps=steps, progress=progress, curve=curve,
+                   overrun=1.08 / 0.97, after_step=after_step)
     log["flow_steps"] = i
     for k in modules:
         setattr(pipe, k, ema[k])
     return pipe
 
 
-# --------------------------------------------------------------------------- stage 3
-def refine_decoder(pipe, stream: PromptStream, *, seconds: float, steps: int | None, batch_size: int, lr: float,
-                   t_range: tuple[float, float], clean_fraction: float, seed: int, log: dict, progress: bool):
-    """Fine-tune the VAE decoder to draw crisp shapes from the flow model's x0 estimates.
-
-    A sample's final latent is the model's x0 estimate ``x_t - t v`` at the
-    last grid sigma (~0.25 with 10 steps and shift 3): a smoothed latent the
-    decoder never saw, which it turns into ragged blobs. Here the decoder
-    learns the paired map ``x0_hat(x_t) -> rendered image`` for ``t`` in
-    ``t_range`` (the frozen transformer and text encoders give ``x0_hat``),
-    and keeps reconstructing clean latents for a ``clean_fraction`` of each
-    batch. The encoder is untouched, so latents and their statistics stay valid.
-    """
-    from tqdm import tqdm
-
-    torch.manual_seed(seed + 5)
-    vae = pipe.vae
-    sf, sh = vae.config.scaling_factor, vae.config.shift_factor
-    dec = vae.decoder
-    dec.train()
-    dec.requires_grad_(True)
-    opt = torch.optim.AdamW(dec.parameters(), lr=lr, weight_decay=0.0)
-    rng = torch.Generator().manual_seed(seed + 6)
-    curve = log.setdefault("decoder_loss", [])
-    lo, hi = t_range
-
-    def step(i: int, total: int) -> float:
-        for g in opt.param_groups:
-            g["lr"] = lr * _lr_factor(i, total, warmup=20)
-        prompts, img = stream.batch(batch_size)
-        with torch.no_grad():
-            x0 = (vae.encode(img).latent_dist.mode() - sh) * sf
-            t = lo + (hi - lo) * torch.rand(batch_size, generator=rng)
-            t[: int(round(clean_fraction * batch_size))] = 0.0
-            tb = t.view(-1, 1, 1, 1)
-            xt = (1 - tb) * x0 + tb * torch.randn(x0.shape, generator=rng)
-            pe, pooled = encode_prompts(pipe, prompts)
-            v = pipe.transformer(hidden_states=xt, encoder_hidden_states=pe, pooled_projections=pooled,
-                                 timestep=t * 1000.0, return_dict=False)[0]
-            x0_hat = torch.where(tb > 0, xt - tb * v, x0)
-        rec = vae.decode(x0_hat / sf + sh).sample
-        loss = (rec - img).abs().mean() + (rec - img).pow(2).mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return float(loss.detach())
-
-    t_start = time.perf_counter()
-    probe = 10
-    total, per = _plan_steps(step, seconds, steps, probe)
-    logger.info("decoder refinement: %.3f s/step -> %d steps", per, total)
-    bar = tqdm(total=total, initial=probe, desc="decoder refinement", disable=not progress, file=sys.stderr)
-    avg, i = None, probe
-    while i < total:
-        loss = step(i, total)
-        avg = loss if avg is None else 0.95 * avg + 0.05 * loss
-        if i % 25 == 0 or i == total - 1:
-            curve.append([i, round(avg, 5)])
-            bar.set_postfix(loss=f"{avg:.4f}")
-        bar.update(1)
-        i += 1
-        if steps is None and time.perf_counter() - t_start > seconds * 1.1:
-            logger.warning("decoder refinement: time budget exceeded at step %d of %d; stopping", i, total)
-            break
-    bar.close()
-    log["decoder_steps"] = i
-    dec.eval()
-    dec.requires_grad_(False)
-    return vae
-
-
 # --------------------------------------------------------------------------- evaluation
 def evaluate(folder, prompts: list[str] | None = None, *, seed: int = 0, noise_level: float = 0.0,
-             num_inference_steps: int = 10, batch_size: int = 64, policy=None) -> dict:
+             num_inference_steps: int = 10, batch_size: int = 64, true_cfg_scale: float = 1.0,
+             policy=None) -> dict:
     """Held-out accuracy of a saved model, sampled as the RL rollout does.
 
     One sample per prompt (default: the 256 held-out prompts); sample ``i`` uses
     seed ``seed + i``. ``noise_level`` 0 is the ODE sampler, > 0 the Flow-GRPO
-    SDE. Returns overall score/strict, per-clause accuracy and per-category
+    SDE. ``true_cfg_scale`` > 1 samples with classifier-free guidance against
+    the empty prompt (the model saw 10 % empty prompts in training). Returns overall score/strict, per-clause accuracy and per-category
     score/strict, plus the images.
     """
     from omnirl_async.models.policy import FlowMatchPolicy
@@ -433,9 +376,11 @@ def evaluate(folder, prompts: list[str] | None = None, *, seed: int = 0, noise_l
     images = []
     for s in range(0, len(prompts), batch_size):
         chunk = prompts[s:s + batch_size]
-        emb = policy.encode_prompt(chunk, max_sequence_length=MAX_SEQUENCE_LENGTH)
+        neg = [""] * len(chunk) if true_cfg_scale > 1 else None
+        emb = policy.encode_prompt(chunk, negative_prompts=neg, max_sequence_length=MAX_SEQUENCE_LENGTH)
         out = sample_with_logprob(policy, emb, seeds=[seed + s + i for i in range(len(chunk))], height=32, width=32,
-                                  num_inference_steps=num_inference_steps, noise_level=noise_level, sde_type="sde")
+                                  num_inference_steps=num_inference_steps, noise_level=noise_level, sde_type="sde",
+                                  true_cfg_scale=true_cfg_scale)
         images.append(out.images)
     images = np.concatenate(images)
     extra = tiny_geneval(images, prompts)
@@ -473,7 +418,8 @@ def evaluation_report(folder, *, seed: int = 0) -> dict:
     report["parameters"]["vae_decoder"] = sum(p.numel() for p in pipe.vae.decoder.parameters())
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    x = torch.randn(16, policy.latent_channels, 16, 16)
+    size = pipe.transformer.config.sample_size
+    x = torch.randn(16, policy.latent_channels, size, size)
     emb = policy.encode_prompt(["a red circle"] * 16, max_sequence_length=MAX_SEQUENCE_LENGTH)
     sig = torch.full((16,), 0.5)
     times = []
@@ -505,11 +451,10 @@ def _fmt(res: dict) -> str:
 
 # --------------------------------------------------------------------------- main
 def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 0.18, ae_steps: int | None = None,
-             flow_steps: int | None = None, decoder_fraction: float = 0.08, decoder_steps: int | None = None,
-             batch_size: int = 32, ae_batch_size: int = 32, lr: float = 2e-3, decoder_lr: float = 1e-3,
+             flow_steps: int | None = None, batch_size: int = 32, ae_batch_size: int = 32, lr: float = 2e-3,
              text_lr: float = 2e-3, ae_lr: float = 2e-3, kl_weight: float = 1e-3, ema_decay: float = 0.998,
-             prompt_dropout: float = 0.1, eval_every: int = 500, threads: int = 2, progress: bool = True,
-             cfg: ShapesModelConfig = ShapesModelConfig()) -> Path:
+             prompt_dropout: float = 0.1, foreground_weight: float = 4.0, eval_every: int = 500, threads: int = 2,
+             progress: bool = True, cfg: ShapesModelConfig = ShapesModelConfig()) -> Path:
     """Train both stages and ``save_pretrained`` the pipeline into ``out``."""
     torch.set_num_threads(int(threads))
     t0 = time.perf_counter()
@@ -527,22 +472,10 @@ def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 
     log["ae_seconds"] = round(time.perf_counter() - t0, 1)
     pipe = build_shapes_pipeline(seed, cfg, vae=vae)
     remaining = budget - (time.perf_counter() - t0) - 20.0  # keep ~20 s for saving
-    dec_seconds = budget * decoder_fraction
-    train_flow(pipe, stream, seconds=remaining - dec_seconds, steps=flow_steps, batch_size=batch_size, lr=lr,
+    train_flow(pipe, stream, seconds=remaining, steps=flow_steps, batch_size=batch_size, lr=lr,
                text_lr=text_lr, ema_decay=ema_decay, dropout=prompt_dropout, seed=seed, eval_every=eval_every,
-               log=log, progress=progress)
+               log=log, progress=progress, foreground_weight=foreground_weight)
     log["flow_seconds"] = round(time.perf_counter() - t0 - log["ae_seconds"], 1)
-    if decoder_fraction > 0 or decoder_steps:
-        for m in (pipe.transformer, pipe.text_encoder, pipe.text_encoder_2):
-            m.eval().requires_grad_(False)
-        remaining = budget - (time.perf_counter() - t0) - 20.0
-        refine_decoder(pipe, stream, seconds=remaining, steps=decoder_steps, batch_size=ae_batch_size,
-                       lr=decoder_lr, t_range=(0.15, 0.5), clean_fraction=0.25, seed=seed, log=log,
-                       progress=progress)
-        log["decoder_check"] = {k: round(v, 4) for k, v in _score(
-            quick_sample(pipe, PromptStream(seed + 3).prompts(64), seed=10_000),
-            PromptStream(seed + 3).prompts(64)).items()}
-        logger.info("after decoder refinement, train-prompt sample accuracy %s", log["decoder_check"])
     log["total_seconds"] = round(time.perf_counter() - t0, 1)
     out = Path(out)
     pipe.save_pretrained(out, safe_serialization=True)
@@ -557,11 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--minutes", type=float, default=25.0, help="total wall-clock budget, both stages")
     p.add_argument("--ae-fraction", type=float, default=0.18, help="share of the budget for the autoencoder")
-    p.add_argument("--decoder-fraction", type=float, default=0.08, help="share of the budget for decoder refinement")
-    p.add_argument("--decoder-steps", type=int, default=None, help="fixed decoder refinement steps")
     p.add_argument("--ae-steps", type=int, default=None, help="fixed autoencoder steps (overrides the timing)")
     p.add_argument("--flow-steps", type=int, default=None, help="fixed flow steps (overrides the timing)")
     p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--foreground-weight", type=float, default=4.0,
+                   help="extra flow-loss weight on latent pixels on or next to objects (0: plain MSE)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=500, help="steps between train-prompt sample checks (0: off)")
@@ -584,8 +517,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.out:
         p.error("--out is required (or use --eval-only FOLDER)")
     pretrain(a.out, seed=a.seed, minutes=a.minutes, ae_fraction=a.ae_fraction, ae_steps=a.ae_steps,
-             flow_steps=a.flow_steps, decoder_fraction=a.decoder_fraction, decoder_steps=a.decoder_steps,
-             batch_size=a.batch_size, lr=a.lr, text_lr=a.lr, eval_every=a.eval_every, threads=a.threads,
+             flow_steps=a.flow_steps, 
+             batch_size=a.batch_size, lr=a.lr, text_lr=a.lr, foreground_weight=a.foreground_weight,
+             eval_every=a.eval_every, threads=a.threads,
              progress=not a.no_progress)
     return 0
 

@@ -8,8 +8,10 @@ from hypothesis import strategies as st
 from omnirl_async.data.prompts import CATEGORIES, enumerate_prompts
 from omnirl_async.data.shapes import (
     COLORS,
+    MIN_SIZE,
     PALETTE,
     SHAPES,
+    SIZE_RANGE,
     ObjectGroup,
     SceneSpec,
     parse_prompt,
@@ -137,9 +139,11 @@ def test_render_crowded(prompt):
 def test_render_sizes_vary_and_templates_fill_their_box():
     rng = np.random.default_rng(2)
     sizes = {o.bbox[2] - o.bbox[0] for _ in range(200) for o in render("a red circle", rng)[1]}
-    assert sizes == set(range(6, 12))
+    assert sizes == set(range(SIZE_RANGE[0], SIZE_RANGE[1] + 1))
+    crowded = {o.bbox[2] - o.bbox[0] for _ in range(100) for o in render("four red circles", rng)[1]}
+    assert min(crowded) >= MIN_SIZE and max(crowded) <= SIZE_RANGE[1]
     for shape in SHAPES:
-        for s in range(5, 12):
+        for s in range(MIN_SIZE, SIZE_RANGE[1] + 1):
             m = shape_template(shape, s)
             assert m.any(0).all() and m.any(1).all()  # the shape spans its box
 
