@@ -28,6 +28,7 @@ from omnirl_async.models.sampler import sample_with_logprob
 from omnirl_async.models.sde_window import SDEWindow
 from omnirl_async.protocol import PromptLease, SampleMeta, SampleStatus, SampleTags, new_uid
 from omnirl_async.rewards import RewardManager
+from omnirl_async.rewards.worker_pool import RewardPool
 
 __all__ = ["RolloutWorker", "GeneratedBatch"]
 
@@ -55,7 +56,8 @@ def lower_cpu_priority(increment: int) -> int:
 
 
 class RolloutWorker:
-    def __init__(self, config, *, worker_index: int = 0, num_threads: int | None = None):
+    def __init__(self, config, *, worker_index: int = 0, num_threads: int | None = None,
+                 reward_actors: list | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         if config.actor_rollout_ref.rollout.nice:
@@ -67,7 +69,10 @@ class RolloutWorker:
         self.device = pick_device(config.trainer.device)
         self.policy = build_policy(self.model_cfg, self.device, seed=config.data.seed)
         self.policy.transformer.eval()
-        self.reward = RewardManager.from_config(config.reward)
+        if reward_actors:  # score on the shared reward worker pool (reward.num_workers > 0)
+            self.reward = RewardPool(reward_actors, timeout_s=config.reward.timeout_s)
+        else:
+            self.reward = RewardManager.from_config(config.reward)
         algo = self.rollout_cfg.algo
         steps = self.rollout_cfg.pipeline.num_inference_steps
         self.window = SDEWindow(num_steps=steps, window_size=algo.sde_window_size,

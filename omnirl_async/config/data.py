@@ -37,8 +37,11 @@ class CustomRewardFunctionConfig:
 
 @dataclass
 class RewardConfig:
-    num_workers: int = opt(0, "Reward worker actors; 0 = score inline in the rollout worker.", ge=0,
-                           not_built=None)
+    num_workers: int = opt(0, "Reward worker actors shared by all rollout workers; 0 = score inline in each "
+                              "rollout worker.", ge=0)
+    num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per reward worker (with num_workers > 0).", gt=0)
+    timeout_s: Any = opt(None, "Seconds a reward worker may take for one group before the group is marked "
+                               "failed; null = no limit.", gt=0)
     reward_fn_name: str = opt("tiny_geneval", "Built-in reward used when neither custom_reward_function "
                               "nor reward_functions is set.", choices=_rewards)
     custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
@@ -70,6 +73,3 @@ class RewardConfig:
                 weight = spec.get("weight", 1.0)
                 if not isinstance(weight, (int, float)):
                     raise ValueError(f"`{path}.reward_functions.{key}.weight` = {weight!r}: expected a number.")
-        if self.num_workers > 0:
-            raise ValueError(f"`{path}.num_workers` = {self.num_workers}: a reward worker pool is not built "
-                             "yet; use 0 (score inline in each rollout worker).")

@@ -22,6 +22,7 @@ from omnirl_async.buffer import make_replay_buffer
 from omnirl_async.learners.learner_group import LearnerGroup
 from omnirl_async.metrics import Tracking
 from omnirl_async.protocol import WeightsInfo
+from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 
 __all__ = ["BaseTrainer"]
@@ -39,6 +40,7 @@ class BaseTrainer:
         self.prompts = prompts
         self.dispatcher = self.make_dispatcher(prompts)
         self.buffer = self.make_buffer()
+        self.reward_actors = make_reward_actors(config.reward)  # [] = score inline
         self.workers = [self.make_worker(i) for i in range(aro.rollout.num_workers)]
         self.learners = LearnerGroup(config, use_ray=True,
                                      num_threads=max(1, int(config.learner.num_cpus_per_worker)))
@@ -74,7 +76,8 @@ class BaseTrainer:
 
         ro = self.config.actor_rollout_ref.rollout
         cls = ray.remote(num_cpus=ro.num_cpus_per_worker, num_gpus=ro.num_gpus_per_worker, **options)(RolloutWorker)
-        return cls.remote(self.config, worker_index=index, num_threads=max(1, int(ro.num_cpus_per_worker)))
+        return cls.remote(self.config, worker_index=index, num_threads=max(1, int(ro.num_cpus_per_worker)),
+                          reward_actors=self.reward_actors or None)
 
     def dcall(self, method: str, *args, **kwargs):
         """Call the dispatcher, in-process or as a Ray actor."""
@@ -182,9 +185,9 @@ class BaseTrainer:
         try:
             self.learners.stop()
         finally:
-            for w in self.workers:
+            for w in self.workers + self.reward_actors:
                 ray.kill(w)
-            self.workers = []
+            self.workers, self.reward_actors = [], []
             self.buffer.close()
 
     def summary(self) -> dict[str, Any]:

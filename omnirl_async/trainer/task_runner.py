@@ -57,7 +57,8 @@ def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
 
 def required_cpus(config) -> float:
     ro = config.actor_rollout_ref.rollout
-    return ro.num_workers * ro.num_cpus_per_worker + config.learner.num_workers * config.learner.num_cpus_per_worker
+    return (ro.num_workers * ro.num_cpus_per_worker + config.learner.num_workers * config.learner.num_cpus_per_worker
+            + config.reward.num_workers * config.reward.num_cpus_per_worker)
 
 
 def init_ray(config) -> bool:

@@ -82,7 +82,6 @@ def test_unknown_key_in_a_recipe_yaml_is_rejected(tmp_path):
     ("actor_rollout_ref.rollout.name=vllm_omni", "vLLM"),
     ("actor_rollout_ref.actor.strategy=fsdp", "FSDP"),
     ("actor_rollout_ref.actor.use_distill_loss=true", "not built"),
-    ("reward.num_workers=2", "not built"),
     ("buffer.offline_mix_ratio=0.5", "not built"),
 ])
 def test_features_not_built_yet_are_refused_loudly(override, needle):

@@ -74,3 +74,14 @@ def test_sync_run_trains_logs_checkpoints_and_resumes_exactly(ray_cluster, base_
     summary_c = _run(base_overrides + ["trainer.total_training_steps=5"], a, printed)
     assert any("at step 4" in line for line in printed)
     assert summary_c["global_step"] == 5
+
+
+def test_reward_worker_pool_gives_the_same_run_as_inline_scoring(ray_cluster, base_overrides, tmp_path):
+    runs = {}
+    for name, extra in (("inline", []), ("pool", ["reward.num_workers=1", "reward.num_cpus_per_worker=0.5"])):
+        summary = _run(base_overrides + ["trainer.total_training_steps=2", "trainer.save_freq=-1", *extra],
+                       tmp_path / name, [])
+        assert summary["global_step"] == 2
+        runs[name] = _scalars(tmp_path / name / "tb")
+    for tag in ("critic/rewards/mean", "critic/rewards/max", "actor/pg_loss"):
+        assert runs["pool"][tag] == runs["inline"][tag], tag
