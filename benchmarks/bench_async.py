@@ -17,6 +17,13 @@ step), so start-up is excluded:
   reward/sample    mean reward of the samples trained (same number of samples in every mode)
   t->target        seconds until the 5-step running mean of the reward first reaches the
                    target (the midpoint between the sync run's first and best running mean)
+  ideal x          the most any overlap could give on this many cores, from the sync run's
+                   own timings: a sync step is gen time G (all rollout workers busy) plus
+                   update time U (the learner alone); overlapped perfectly, a step needs
+                   max(U, (workers*G*cpus_per_worker + U) / cores) seconds
+
+Rollout workers run with ``actor_rollout_ref.rollout.nice=10`` in every mode, so that in
+separate_async the learner (the critical path) is not slowed by workers sharing its cores.
 """
 
 from __future__ import annotations
@@ -66,6 +73,11 @@ def run_one(overrides: list[str], workdir: Path) -> dict:
     span = times[-1] - times[0]
     upd = np.array([v for _, _, v in ev["timing_s/update_actor"]])
     step = np.array([v for _, _, v in ev["timing_s/step"]])
+    ro = cfg.actor_rollout_ref.rollout
+    cores = os.cpu_count() or 1
+    # sync: workers generate (timing_s/gen), then the learner updates; async runs have no gen phase
+    gen_s = sum(v for _, _, v in ev.get("timing_s/gen", [])) or step.sum() - upd.sum()
+    ideal = step.sum() / max(upd.sum(), (ro.num_workers * ro.num_cpus_per_worker * gen_s + upd.sum()) / cores)
     if "perf/learner_idle_frac" in ev:
         learner_idle = ev["perf/learner_idle_frac"][-1][2]
         rollout_idle = ev["perf/rollout_idle_frac"][-1][2]
@@ -76,7 +88,7 @@ def run_one(overrides: list[str], workdir: Path) -> dict:
     return {"samples_per_s": samples_per_step * (len(times) - 1) / span if span > 0 else float("nan"),
             "learner_idle": learner_idle, "rollout_idle": rollout_idle, "reward_mean": float(values.mean()),
             "times": times - times[0], "running": _running(values), "wall_total": time.perf_counter() - t0,
-            "staleness_max": summary.get("staleness_max", 0.0)}
+            "staleness_max": summary.get("staleness_max", 0.0), "ideal": ideal}
 
 
 def main(argv=None) -> int:
@@ -94,7 +106,7 @@ def main(argv=None) -> int:
     base = [f"trainer.total_training_steps={args.steps}", "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.num_workers=2", "learner.num_workers=1", "actor_rollout_ref.rollout.seed=3",
-            *args.overrides]
+            "actor_rollout_ref.rollout.nice=10", *args.overrides]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     results: dict[str, dict[str, dict]] = {}
     try:
@@ -121,7 +133,7 @@ def main(argv=None) -> int:
         ray.shutdown()
 
     print(f"\n{'scenario':<12} {'mode':<10} {'samples/s':>9} {'x sync':>7} {'learner idle':>12} {'rollout idle':>12} "
-          f"{'reward/sample':>13} {'t->target s':>11} {'max lag':>7}")
+          f"{'reward/sample':>13} {'t->target s':>11} {'max lag':>7} {'ideal x':>7}")
     for scenario, runs in results.items():
         sync = runs["sync"]
         start, best = sync["running"][0], sync["running"].max()
@@ -131,7 +143,7 @@ def main(argv=None) -> int:
             t_hit = f"{r['times'][hit[0]]:.0f}" if len(hit) else "-"
             print(f"{scenario:<12} {name:<10} {r['samples_per_s']:9.2f} {r['samples_per_s'] / sync['samples_per_s']:7.2f} "
                   f"{100 * r['learner_idle']:11.0f}% {100 * r['rollout_idle']:11.0f}% {r['reward_mean']:13.3f} "
-                  f"{t_hit:>11} {r['staleness_max']:7.0f}")
+                  f"{t_hit:>11} {r['staleness_max']:7.0f} {sync['ideal'] if name == 'sync' else float('nan'):7.2f}")
     print(f"\n(target reward = midpoint of the sync run's first and best 5-step running mean; "
           f"{args.steps} steps per run, {os.cpu_count()} CPUs)")
     return 0
