@@ -19,6 +19,7 @@ DEMO_OVERRIDES = [
     "trainer.v1.trainer_mode=separate_async",
     "actor_rollout_ref.rollout.num_workers=2",
     "learner.num_workers=1",
+    "actor_rollout_ref.rollout.nice=10",  # on shared cores the learner, the critical path, keeps its core
     "trainer.experiment_name=demo",
     "trainer.total_time_minutes=2",
     "trainer.total_training_steps=400",
