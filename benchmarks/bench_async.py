@@ -107,7 +107,8 @@ def main(argv=None) -> int:
             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.num_workers=2", "learner.num_workers=1", "actor_rollout_ref.rollout.seed=3",
             "actor_rollout_ref.rollout.nice=10", *args.overrides]
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    # as init_ray does with rollout.nice > 0: workers at 0 (not Ray's 15), so nice=10 puts rollouts below the learner
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
     results: dict[str, dict[str, dict]] = {}
     try:
         for scenario in args.scenarios.split(","):

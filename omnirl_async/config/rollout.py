@@ -78,7 +78,9 @@ class DiffusionRolloutConfig:
     num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per rollout worker.", ge=0)
     nice: int = opt(0, "CPU niceness added to every rollout worker process (0-19). When workers and learners "
                        "share CPU cores, a positive value keeps the learner - the critical path of separate_async "
-                       "- at full speed while workers use the cycles left over.", ge=0, le=19)
+                       "- at full speed while workers use the cycles left over. When omnirl-async starts Ray "
+                       "itself it then starts Ray's workers at niceness 0 instead of Ray's 15; on a cluster you "
+                       "start, set RAY_worker_niceness=0 for the same effect.", ge=0, le=19)
     pipeline: DiffusionPipelineConfig = field(default_factory=DiffusionPipelineConfig)
     algo: DiffusionRolloutAlgoConfig = field(default_factory=DiffusionRolloutAlgoConfig)
     val_kwargs: ValKwargsConfig = field(default_factory=ValKwargsConfig)

@@ -75,6 +75,12 @@ def init_ray(config) -> bool:
         ray.init(address=rk.address, **kwargs)
     else:
         num_cpus = rk.num_cpus or max(os.cpu_count() or 1, int(required_cpus(config) + 0.999))
+        if config.actor_rollout_ref.rollout.nice > 0:
+            # Ray starts every worker process at niceness 15, which would leave rollout workers (capped at 19)
+            # barely below the learner; start workers at 0 so that they sit `nice` levels below it.
+            system = dict(kwargs.pop("_system_config", None) or {})
+            system.setdefault("worker_niceness", 0)
+            kwargs["_system_config"] = system
         ray.init(num_cpus=num_cpus, **kwargs)
     return True
 

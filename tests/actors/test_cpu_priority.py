@@ -38,3 +38,27 @@ def test_lower_cpu_priority_reaches_existing_and_new_threads():
 def test_nice_out_of_range_is_refused_with_the_key(value):
     with pytest.raises(ConfigError, match="actor_rollout_ref.rollout.nice"):
         load_config([f"actor_rollout_ref.rollout.nice={value}"])
+
+
+def test_init_ray_starts_workers_at_nice_0_so_rollout_workers_sit_nice_levels_below(small_overrides):
+    import os
+
+    import ray
+
+    from omnirl_async.actors.rollout_worker import lower_cpu_priority
+    from omnirl_async.trainer.task_runner import init_ray
+
+    if ray.is_initialized():
+        pytest.skip("needs to start its own Ray")
+    cfg = load_config(small_overrides + ["actor_rollout_ref.rollout.nice=5", "ray_kwargs.num_cpus=2"])
+    assert init_ray(cfg)
+    try:
+        @ray.remote(num_cpus=0)
+        def niceness(increment):
+            base = os.getpriority(os.PRIO_PROCESS, 0)
+            return base, lower_cpu_priority(increment) if increment else base
+
+        assert ray.get(niceness.remote(0)) == (0, 0)  # a learner-like worker: Ray's 15 is not applied
+        assert ray.get(niceness.remote(5)) == (0, 5)  # a rollout worker: 5 levels below it
+    finally:
+        ray.shutdown()
