@@ -101,14 +101,16 @@ def main(argv=None) -> int:
 
     import ray
 
+    from omnirl_async.config import load_config
     from omnirl_async.rewards.http_scorer import ScorerServer
+    from omnirl_async.trainer.task_runner import init_ray
 
     base = [f"trainer.total_training_steps={args.steps}", "data.train_batch_size=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.num_workers=2", "learner.num_workers=1", "actor_rollout_ref.rollout.seed=3",
             "actor_rollout_ref.rollout.nice=10", *args.overrides]
-    # as init_ray does with rollout.nice > 0: workers at 0 (not Ray's 15), so nice=10 puts rollouts below the learner
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
+    # the same Ray the trainer would start for these settings (with rollout.nice > 0: workers at niceness 0)
+    init_ray(load_config(base + ["ray_kwargs.num_cpus=4", "+ray_kwargs.ray_init.log_to_driver=false"]))
     results: dict[str, dict[str, dict]] = {}
     try:
         for scenario in args.scenarios.split(","):

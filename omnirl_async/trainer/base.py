@@ -77,7 +77,7 @@ class BaseTrainer:
         ro = self.config.actor_rollout_ref.rollout
         cls = ray.remote(num_cpus=ro.num_cpus_per_worker, num_gpus=ro.num_gpus_per_worker, **options)(RolloutWorker)
         return cls.remote(self.config, worker_index=index, num_threads=max(1, int(ro.num_cpus_per_worker)),
-                          reward_actors=self.reward_actors or None)
+                          reward_actors=self.reward_actors)
 
     def dcall(self, method: str, *args, **kwargs):
         """Call the dispatcher, in-process or as a Ray actor."""
