@@ -81,7 +81,8 @@ def cmd_eval(args) -> int:
     strict_key = next((k for k in res.extra if k.endswith("strict")), None)
     marks = res.extra[strict_key][: args.grid] > 0.5 if strict_key else None
     grid = save_grid(res.images[: args.grid], res.prompts[: args.grid], out / "grid.png", marks=marks,
-                     title=f"{who}  strict={res.metrics.get('val/strict', float('nan')):.3f}")
+                     title=f"{who}  strict={res.metrics.get('val/strict', float('nan')):.3f}"
+                           + (f"  overall={res.metrics['val/overall']:.3f}" if "val/overall" in res.metrics else ""))
     (out / "metrics.json").write_text(json.dumps(res.metrics, indent=2))
     print(f"grid: {grid}\nmetrics: {out / 'metrics.json'}")
     return 0

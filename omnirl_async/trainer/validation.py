@@ -2,12 +2,16 @@
 
 Used three ways: ``omnirl-async eval`` (base model or a LoRA checkpoint), the
 trainer every ``trainer.test_freq`` steps (on a rollout worker, with the
-weights it holds), and the benchmarks. Generation is seeded per prompt
-(``seed + prompt index``), so two evaluations of the same weights agree.
+weights it holds), and the benchmarks. Image j of prompt i is drawn with seed
+``seed + 1009 * i + j`` (``val_kwargs.n`` images per prompt), so two
+evaluations of the same weights agree, whatever the batch size.
 
-Metric names: ``val/score``, ``val/strict`` (all clauses met), ``val/clause/<type>``
-(accuracy per clause type when the reward reports clause counts) and
-``val/category/<name>/strict`` for prompts of the embedded shapes world.
+Metric names: ``val/score``, ``val/strict`` (all clauses met, mean over images),
+``val/clause/<type>`` (accuracy per clause type when the reward reports clause
+counts), and for prompts of the embedded shapes world
+``val/category/<name>/strict`` and ``val/overall``: the unweighted mean of the
+per-category strict accuracies, as GenEval's "Overall" averages its tasks, so a
+category with few prompts counts as much as one with many.
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def summarize(prompts: list[str], scores: np.ndarray, extra: dict[str, np.ndarra
                 cats.setdefault(c, []).append(float(s))
         for c, vals in sorted(cats.items()):
             m[f"{prefix}/category/{c}/strict"] = float(np.mean(vals))
+        if cats:  # GenEval's "overall": every task (category) counts the same, however many prompts it has
+            m[f"{prefix}/overall"] = float(np.mean([np.mean(v) for v in cats.values()]))
     for key, met in extra.items():
         total = extra.get(f"{key}_total")
         if total is not None and "/clause/" in f"/{key}":
@@ -71,15 +77,15 @@ def evaluate_policy(policy, reward, prompts: list[str], val_cfg, *, seed: int = 
                     progress: bool = False, negative_prompt: str = "") -> EvalResult:
     """Generate ``val_cfg.n`` images per prompt with ``val_cfg.pipeline`` / ``val_cfg.algo`` and score them."""
     pcfg, acfg = val_cfg.pipeline, val_cfg.algo
-    rows = [(i, p) for i, p in enumerate(prompts) for _ in range(val_cfg.n)]
+    rows = [(i, p, j) for i, p in enumerate(prompts) for j in range(val_cfg.n)]
     images, all_prompts = [], []
     bar = tqdm(total=len(rows), desc="eval", unit="img", disable=not progress, dynamic_ncols=True)
     for start in range(0, len(rows), batch_size):
         chunk = rows[start:start + batch_size]
-        texts = [p for _, p in chunk]
+        texts = [p for _, p, _ in chunk]
         neg = [negative_prompt] * len(texts) if pcfg.true_cfg_scale > 1 else None
         emb = policy.encode_prompt(texts, negative_prompts=neg, max_sequence_length=pcfg.max_sequence_length)
-        seeds = [seed + i * 1009 + k for k, (i, _) in enumerate(chunk)]
+        seeds = [seed + i * 1009 + j for i, _, j in chunk]  # image j of prompt i, whatever the batching
         out = sample_with_logprob(policy, emb, seeds=seeds, height=pcfg.height, width=pcfg.width,
                                   num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
                                   sde_type=acfg.sde_type, true_cfg_scale=pcfg.true_cfg_scale,

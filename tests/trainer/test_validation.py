@@ -23,6 +23,9 @@ def test_summarize_matches_direct_counts():
     m = summarize(prompts, res.scores, res.extra)
     assert m["val/strict"] == 2 / 3
     assert m["val/category/single/strict"] == 0.0 and m["val/category/counting/strict"] == 1.0
+    assert m["val/category/position/strict"] == 1.0 and m["val/overall"] == 2 / 3  # (0 + 1 + 1) / 3 tasks
+    m4 = summarize(prompts + ["two red circles"], np.ones(4), {"strict": np.array([1.0, 1.0, 0.0, 0.0])})
+    assert m4["val/strict"] == 0.5 and m4["val/overall"] == (0.5 + 1.0 + 0.0) / 3  # counting has 2 prompts
     met, total = res.extra["tiny_geneval/clause/count"], res.extra["tiny_geneval/clause/count_total"]
     assert m["val/clause/count"] == float(met.sum() / total.sum())
 
@@ -43,3 +46,25 @@ def test_eval_command_writes_grid_and_metrics(tmp_path, capsys):
     assert (tmp_path / "grid.png").is_file()
     assert cli_main(["eval", "--lora", str(tmp_path), "--out", str(tmp_path)]) == 2
     assert "neither a PEFT adapter folder" in capsys.readouterr().err
+
+
+def test_eval_seeds_do_not_depend_on_batching():
+    import dataclasses
+
+    from omnirl_async.config import load_config
+    from omnirl_async.models import FlowMatchPolicy
+    from omnirl_async.models.pretrain import ASSET_DIR
+    from omnirl_async.trainer.validation import evaluate_policy
+
+    val = load_config(["actor_rollout_ref.rollout.val_kwargs.n=2"]).actor_rollout_ref.rollout.val_kwargs
+    val = dataclasses.replace(val, pipeline=dataclasses.replace(val.pipeline, num_inference_steps=2))
+    policy = FlowMatchPolicy.from_pretrained(ASSET_DIR)
+    reward = RewardManager.from_config({"reward_fn_name": "tiny_geneval"})
+    prompts = ["a red circle", "two blue squares", "a green triangle"]
+    a = evaluate_policy(policy, reward, prompts, val, seed=5, batch_size=6)
+    b = evaluate_policy(policy, reward, prompts, val, seed=5, batch_size=4)
+    assert a.prompts == b.prompts == [p for p in prompts for _ in range(2)]
+    np.testing.assert_array_equal(a.images, b.images)
+    assert not np.array_equal(a.images[0], a.images[1])  # two images of one prompt differ
+    c = evaluate_policy(policy, reward, prompts[1:], val, seed=5 + 1009, batch_size=6)
+    np.testing.assert_array_equal(c.images, a.images[2:])  # image j of prompt i: seed + 1009 i + j
