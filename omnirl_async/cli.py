@@ -20,7 +20,7 @@ __all__ = ["main"]
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config-name", default="diffusion_trainer", help="YAML in the config dir (without .yaml)")
-    p.add_argument("--config-dir", default=None, help="folder of the YAML configs (default: the repo's configs/)")
+    p.add_argument("--config-dir", default=None, help="folder of the YAML configs (default: the package's configs/)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. data.train_batch_size=16")
 
 

@@ -1,8 +1,9 @@
 """Compose a config the way ``omnirl-async train`` does: YAML defaults → recipe → overrides.
 
 The schema is registered in Hydra's ConfigStore as ``diffusion_trainer_schema``;
-``configs/diffusion_trainer.yaml`` lists it first in its defaults so every key
-is typed. Command-line overrides use Hydra's grammar (``a.b=1``, ``+a.c=2``,
+``omnirl_async/configs/diffusion_trainer.yaml`` (inside the package, so a wheel
+carries it; ``configs/`` at the repository root links to it) lists it first in
+its defaults so every key is typed. Command-line overrides use Hydra's grammar (``a.b=1``, ``+a.c=2``,
 ``~a.d``), and the result is checked by :func:`to_validated_object`.
 """
 
@@ -37,7 +38,7 @@ def register_configs() -> None:
 
 
 def default_config_dir() -> Path:
-    """``$OMNIRL_CONFIG_DIR``, else the repository's ``configs/``, else the copy inside the package."""
+    """``$OMNIRL_CONFIG_DIR``, else ``configs/`` beside the package (a checkout), else the package's own copy."""
     env = os.environ.get("OMNIRL_CONFIG_DIR")
     if env:
         return Path(env).resolve()

@@ -1,4 +1,4 @@
-"""The whole diffusion trainer config, as composed by ``configs/diffusion_trainer.yaml``."""
+"""The whole diffusion trainer config, as composed by ``omnirl_async/configs/diffusion_trainer.yaml``."""
 
 from __future__ import annotations
 
