@@ -365,8 +365,9 @@ def evaluate(folder, prompts: list[str] | None = None, *, seed: int = 0, noise_l
              images_per_prompt: int = 1, policy=None) -> dict:
     """Held-out accuracy of a saved model, sampled as the RL rollout does.
 
-    ``images_per_prompt`` samples per prompt (default: the 256 held-out
-    prompts; GenEval draws 4), prompt-major: sample ``i`` uses seed ``seed + i``.
+    ``prompts`` defaults to the 256 held-out prompts; each gets
+    ``images_per_prompt`` samples (GenEval draws 4), listed prompt-major, and
+    sample ``i`` of that list uses seed ``seed + i``.
     ``noise_level`` 0 is the ODE sampler, > 0 the Flow-GRPO SDE.
     ``true_cfg_scale`` > 1 samples with classifier-free guidance against the
     empty prompt (the model saw 10 % empty prompts in training). Returns score
@@ -455,8 +456,8 @@ def evaluation_report(folder, *, seed: int = 0) -> dict:
 
 
 def _fmt(res: dict) -> str:
-    lines = [f"n={res['n']}  overall={res['overall']:.3f}  score={res['score']:.3f}  strict={res['strict']:.3f}  " + "  ".join(
-        f"{t}={res[t]:.3f}" for t in ("color", "shape", "count", "position"))]
+    head = f"n={res['n']}  overall={res['overall']:.3f}  score={res['score']:.3f}  strict={res['strict']:.3f}  "
+    lines = [head + "  ".join(f"{t}={res[t]:.3f}" for t in ("color", "shape", "count", "position"))]
     for c, r in res["by_category"].items():
         lines.append(f"  {c:9s} n={r['n']:3d}  score={r['score']:.3f}  strict={r['strict']:.3f}")
     return "\n".join(lines)
