@@ -3,8 +3,9 @@
 The schema is registered in Hydra's ConfigStore as ``diffusion_trainer_schema``;
 ``omnirl_async/configs/diffusion_trainer.yaml`` (inside the package, so a wheel
 carries it; ``configs/`` at the repository root links to it) lists it first in
-its defaults so every key is typed. Command-line overrides use Hydra's grammar (``a.b=1``, ``+a.c=2``,
-``~a.d``), and the result is checked by :func:`to_validated_object`.
+its defaults so every key is typed. Command-line overrides use Hydra's grammar
+(``a.b=1``, ``+a.c=2``, ``~a.d``), and the result is checked by
+:func:`to_validated_object`.
 """
 
 from __future__ import annotations

@@ -59,10 +59,11 @@ def summarize(prompts: list[str], scores: np.ndarray, extra: dict[str, np.ndarra
             c = _category(p)
             if c is not None:
                 cats.setdefault(c, []).append(float(s))
-        for c, vals in sorted(cats.items()):
-            m[f"{prefix}/category/{c}/strict"] = float(np.mean(vals))
-        if cats:  # GenEval's "overall": every task (category) counts the same, however many prompts it has
-            m[f"{prefix}/overall"] = float(np.mean([np.mean(v) for v in cats.values()]))
+        by_cat = {c: float(np.mean(vals)) for c, vals in sorted(cats.items())}
+        for c, acc in by_cat.items():
+            m[f"{prefix}/category/{c}/strict"] = acc
+        if by_cat:  # GenEval's "overall": every task (category) counts the same, however many prompts it has
+            m[f"{prefix}/overall"] = float(np.mean(list(by_cat.values())))
     for key, met in extra.items():
         total = extra.get(f"{key}_total")
         if total is not None and "/clause/" in f"/{key}":
