@@ -58,6 +58,7 @@ import torch
 
 from omnirl_async.data.prompts import CATEGORIES, enumerate_prompts, heldout_prompts, prompt_category, train_prompts
 from omnirl_async.data.shapes import CATEGORY_WEIGHTS, render_batch
+from omnirl_async.models.data_parallel import SINGLE, Group, launch
 from omnirl_async.models.shapes_model import (
     MAX_SEQUENCE_LENGTH,
     ShapesModelConfig,
@@ -67,6 +68,9 @@ from omnirl_async.models.shapes_model import (
 )
 
 logger = logging.getLogger(__name__)
+
+#: Seed offset between data-parallel ranks (rank r draws its own batches and noise).
+_RANK_SEED_STRIDE = 7919
 
 #: Where the committed model lives inside the package.
 ASSET_DIR = Path(__file__).resolve().parent.parent / "assets" / "shapes-t2i"
@@ -154,22 +158,26 @@ def _replan(i: int, total: int, t_start: float, t_mark: float, i_mark: int, budg
 
 
 def _run_stage(name: str, step, *, seconds: float, steps: int | None, progress: bool, curve: list,
-               every: int = 50, replan_at: float = 0.1, overrun: float = 1.1, after_step=None) -> int:
+               every: int = 50, replan_at: float = 0.1, overrun: float = 1.1, after_step=None,
+               group: Group = SINGLE) -> int:
     """The training loop every stage shares; returns the number of steps run.
 
     ``step(i, total) -> loss``. With ``steps=None`` the step count is fitted to
     ``seconds`` from the first (probe) steps, re-planned once after
     ``replan_at`` of the budget, and the stage stops early past ``overrun``
     times the budget. ``after_step(i, total, stopping)`` runs after each step
-    (periodic checks); ``curve`` collects ``[step, EMA of the loss]``.
+    (periodic checks, rank 0 only); ``curve`` collects ``[step, EMA of the loss]``.
+    With several processes (``group``), rank 0's timing decides the step
+    count and the stop, and every rank follows it.
     """
     from tqdm import tqdm
 
     t_start = time.perf_counter()
     probe = 10
     total, per = _plan_steps(step, seconds, steps, probe)
+    total = int(group.share([total])[0])
     logger.info("%s: %.3f s/step -> %d steps", name, per, total)
-    bar = tqdm(total=total, initial=probe, desc=name, disable=not progress, file=sys.stderr)
+    bar = tqdm(total=total, initial=probe, desc=name, disable=not (progress and group.is_main), file=sys.stderr)
     avg, i, mark = None, probe, (time.perf_counter(), probe)
     while i < total:
         loss = step(i, total)
@@ -182,7 +190,11 @@ def _run_stage(name: str, step, *, seconds: float, steps: int | None, progress: 
             bar.total, mark = total, None
             logger.info("%s: re-planned to %d steps", name, total)
         stopping = steps is None and time.perf_counter() - t_start > seconds * overrun
-        if after_step is not None:
+        if group.active and steps is None:
+            shared_total, shared_stop = group.share([total, stopping])
+            total, stopping = int(shared_total), bool(shared_stop)
+            bar.total = total
+        if after_step is not None and group.is_main:
             after_step(i, total, stopping)
         bar.update(1)
         i += 1
@@ -195,11 +207,15 @@ def _run_stage(name: str, step, *, seconds: float, steps: int | None, progress: 
 
 # --------------------------------------------------------------------------- stage 1
 def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: float, steps: int | None,
-                      batch_size: int, lr: float, kl_weight: float, seed: int, log: dict, progress: bool):
+                      batch_size: int, lr: float, kl_weight: float, seed: int, log: dict, progress: bool,
+                      group: Group = SINGLE):
+    """``batch_size`` is per process; every rank starts from the same weights and averages gradients."""
     torch.manual_seed(seed)
     vae = build_vae(cfg)
     vae.train()
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    if group.rank:
+        torch.manual_seed(seed + _RANK_SEED_STRIDE * group.rank)  # own latent noise per rank
+    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0, fused=True)
     curve = log.setdefault("ae_loss", [])
 
     def step(i: int, total: int) -> float:
@@ -215,11 +231,12 @@ def train_autoencoder(cfg: ShapesModelConfig, stream: PromptStream, *, seconds: 
         loss = l1 + mse + kl_weight * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        group.average_gradients(vae.parameters())
         opt.step()
         return float(loss.detach())
 
     i = _run_stage("autoencoder", step, seconds=seconds, steps=steps, progress=progress, curve=curve,
-                   replan_at=0.15)
+                   replan_at=0.15, group=group)
     log["ae_steps"] = i
     vae.eval()
     return vae
@@ -277,8 +294,9 @@ def foreground_weights(img: torch.Tensor, latent_size: int, weight: float) -> to
 
 def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None, batch_size: int, lr: float,
                text_lr: float, ema_decay: float, dropout: float, seed: int, eval_every: int, log: dict,
-               progress: bool, foreground_weight: float = 0.0):
-    torch.manual_seed(seed + 1)
+               progress: bool, foreground_weight: float = 0.0, group: Group = SINGLE):
+    """``batch_size`` is per process (see :func:`train_autoencoder`)."""
+    torch.manual_seed(seed + 1 + _RANK_SEED_STRIDE * group.rank)
     vae = pipe.vae
     vae.requires_grad_(False)
     modules = {"transformer": pipe.transformer, "text_encoder": pipe.text_encoder,
@@ -290,10 +308,12 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
     groups = [{"params": list(pipe.transformer.parameters()), "lr": lr, "base": lr},
               {"params": list(pipe.text_encoder.parameters()) + list(pipe.text_encoder_2.parameters()),
                "lr": text_lr, "base": text_lr}]
-    opt = torch.optim.AdamW(groups, weight_decay=0.01, betas=(0.9, 0.99))
+    opt = torch.optim.AdamW(groups, weight_decay=0.01, betas=(0.9, 0.99), fused=True)
+    live_params = [p for m in modules.values() for p in m.parameters()]
+    ema_params = [p for k in modules for p in ema[k].parameters()]
     sf, sh = vae.config.scaling_factor, vae.config.shift_factor
     shift = float(pipe.scheduler.config.shift)
-    rng = torch.Generator().manual_seed(seed + 2)
+    rng = torch.Generator().manual_seed(seed + 2 + _RANK_SEED_STRIDE * group.rank)
     curve = log.setdefault("flow_loss", [])
     evals = log.setdefault("flow_eval", [])
     eval_prompts = stream.__class__(seed + 3).prompts(64)
@@ -323,13 +343,12 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
         loss = ((v - (eps - x0)).pow(2) * w).mean() / w.mean()
         opt.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for g in groups for p in g["params"]], 1.0)
+        group.average_gradients(live_params)
+        torch.nn.utils.clip_grad_norm_(live_params, 1.0)
         opt.step()
         with torch.no_grad():
             d = min(ema_decay, (1 + i) / (10 + i))
-            for k, m in modules.items():
-                for pe_, pm in zip(ema[k].parameters(), m.parameters()):
-                    pe_.lerp_(pm, 1 - d)
+            torch._foreach_lerp_(ema_params, live_params, 1 - d)
         return float(loss.detach())
 
     def run_eval(i: int) -> None:
@@ -348,7 +367,7 @@ def train_flow(pipe, stream: PromptStream, *, seconds: float, steps: int | None,
 
     # ~3 % of the budget is kept for the periodic evals
     i = _run_stage("flow matching", step, seconds=seconds * 0.97, steps=steps, progress=progress, curve=curve,
-                   overrun=1.08 / 0.97, after_step=after_step)
+                   overrun=1.08 / 0.97, after_step=after_step, group=group)
     log["flow_steps"] = i
     for k in modules:
         setattr(pipe, k, ema[k])
@@ -467,35 +486,62 @@ def _fmt(res: dict) -> str:
 def pretrain(out, *, seed: int = 0, minutes: float = 25.0, ae_fraction: float = 0.18, ae_steps: int | None = None,
              flow_steps: int | None = None, batch_size: int = 32, ae_batch_size: int = 32, lr: float = 2e-3,
              text_lr: float = 2e-3, ae_lr: float = 2e-3, kl_weight: float = 1e-3, ema_decay: float = 0.998,
-             prompt_dropout: float = 0.1, foreground_weight: float = 4.0, eval_every: int = 500, threads: int = 2,
-             progress: bool = True, cfg: ShapesModelConfig = ShapesModelConfig()) -> Path:
-    """Train both stages and ``save_pretrained`` the pipeline into ``out``."""
-    torch.set_num_threads(int(threads))
-    t0 = time.perf_counter()
-    args = {k: v for k, v in locals().items() if k not in ("out", "cfg", "t0")}
+             prompt_dropout: float = 0.1, foreground_weight: float = 4.0, eval_every: int = 500, threads: int = 1,
+             processes: int = 2, progress: bool = True, cfg: ShapesModelConfig = ShapesModelConfig()) -> Path:
+    """Train both stages and ``save_pretrained`` the pipeline into ``out``.
+
+    ``processes`` data-parallel processes with ``threads`` threads each share
+    every batch (``batch_size`` and ``ae_batch_size`` are totals over the
+    processes and must divide evenly); the default, 2 x 1, is the fastest
+    layout on 2 cores (:mod:`omnirl_async.models.data_parallel`).
+    """
+    args = {k: v for k, v in locals().items() if k not in ("out", "cfg")}
     args["out"] = str(out)
+    for name, b in (("batch_size", batch_size), ("ae_batch_size", ae_batch_size)):
+        if processes < 1 or b % processes:
+            raise ValueError(f"`{name}`={b} must be a multiple of `processes`={processes} (every process "
+                             f"draws {name} / processes samples of each batch); change one of them.")
+    launch(_pretrain_worker, int(processes), threads=int(threads), args=(Path(out), args, cfg))
+    return Path(out)
+
+
+def _pretrain_worker(group: Group, out: Path, args: dict, cfg: ShapesModelConfig) -> None:
+    if group.active and not logging.getLogger().handlers:  # a spawned process: log like the parent
+        logging.basicConfig(level=logging.INFO if group.is_main else logging.WARNING,
+                            format=f"%(asctime)s %(levelname)s [rank {group.rank}] %(message)s")
+    t0 = time.perf_counter()
+    seed, world = args["seed"], group.world
     log: dict = {"args": args, "config": {k: list(v) if isinstance(v, tuple) else v
                                           for k, v in vars(cfg).items()}}
-    budget = float(minutes) * 60.0
-    stream = PromptStream(seed)
-    vae = train_autoencoder(cfg, stream, seconds=budget * ae_fraction, steps=ae_steps, batch_size=ae_batch_size,
-                            lr=ae_lr, kl_weight=kl_weight, seed=seed, log=log, progress=progress)
-    log["ae_check"] = {k: round(v, 4) if isinstance(v, float) else v
-                       for k, v in calibrate_and_check_vae(vae, PromptStream(seed + 100)).items()}
+    budget = float(args["minutes"]) * 60.0
+    stream = PromptStream(seed + _RANK_SEED_STRIDE * group.rank)
+    vae = train_autoencoder(cfg, stream, seconds=budget * args["ae_fraction"], steps=args["ae_steps"],
+                            batch_size=args["ae_batch_size"] // world, lr=args["ae_lr"],
+                            kl_weight=args["kl_weight"], seed=seed, log=log, progress=args["progress"], group=group)
+    check = calibrate_and_check_vae(vae, PromptStream(seed + 100)) if group.is_main else {}
+    mean, std = group.share([check.get("latent_mean", 0.0), check.get("latent_std", 1.0)])
+    vae.register_to_config(shift_factor=mean, scaling_factor=1.0 / std)
+    log["ae_check"] = {k: round(v, 4) if isinstance(v, float) else v for k, v in check.items()}
     logger.info("autoencoder reconstructions: %s", log["ae_check"])
     log["ae_seconds"] = round(time.perf_counter() - t0, 1)
     pipe = build_shapes_pipeline(seed, cfg, vae=vae)
     remaining = budget - (time.perf_counter() - t0) - 20.0  # keep ~20 s for saving
-    train_flow(pipe, stream, seconds=remaining, steps=flow_steps, batch_size=batch_size, lr=lr,
-               text_lr=text_lr, ema_decay=ema_decay, dropout=prompt_dropout, seed=seed, eval_every=eval_every,
-               log=log, progress=progress, foreground_weight=foreground_weight)
+    remaining = group.share([remaining])[0]
+    train_flow(pipe, stream, seconds=remaining, steps=args["flow_steps"], batch_size=args["batch_size"] // world,
+               lr=args["lr"], text_lr=args["text_lr"], ema_decay=args["ema_decay"], dropout=args["prompt_dropout"],
+               seed=seed, eval_every=args["eval_every"], log=log, progress=args["progress"],
+               foreground_weight=args["foreground_weight"], group=group)
+    trained = [vae, pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    if not group.parameters_agree(trained):  # gloo's all_reduce gives every rank the same bits; check it
+        raise RuntimeError("data-parallel ranks ended with different weights; the run is not reproducible")
+    log["processes"] = world
     log["flow_seconds"] = round(time.perf_counter() - t0 - log["ae_seconds"], 1)
     log["total_seconds"] = round(time.perf_counter() - t0, 1)
-    out = Path(out)
-    pipe.save_pretrained(out, safe_serialization=True)
-    (out / "pretrain_log.json").write_text(json.dumps(log, indent=1))
-    logger.info("saved %s after %.1f min", out, log["total_seconds"] / 60)
-    return out
+    if group.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        pipe.save_pretrained(out, safe_serialization=True)
+        (out / "pretrain_log.json").write_text(json.dumps(log, indent=1))
+        logger.info("saved %s after %.1f min", out, log["total_seconds"] / 60)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -510,20 +556,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--foreground-weight", type=float, default=4.0,
                    help="extra flow-loss weight on latent pixels on or next to objects (0: plain MSE)")
     p.add_argument("--lr", type=float, default=2e-3)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--processes", type=int, default=2,
+                   help="data-parallel training processes (each takes batch-size / processes samples)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per process (and for --eval-only)")
     p.add_argument("--eval-every", type=int, default=500, help="steps between train-prompt sample checks (0: off)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--eval-only", metavar="FOLDER", help="only evaluate a saved model on the held-out prompts")
     p.add_argument("--eval-seed", type=int, default=0)
     p.add_argument("--write-json", action="store_true", help="with --eval-only: write FOLDER/eval.json")
     a = p.parse_args(argv)
-    if _OMP_ENV not in os.environ and a.threads > 1:
+    if _OMP_ENV not in os.environ and (a.threads > 1 or a.processes > 1):
         env = dict(os.environ, **{_OMP_ENV: "PASSIVE"})
         args = sys.argv[1:] if argv is None else list(argv)
         os.execve(sys.executable, [sys.executable, "-m", "omnirl_async.models.pretrain", *args], env)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     if a.eval_only:
-        torch.set_num_threads(a.threads)
+        torch.set_num_threads(max(a.threads, a.processes))
         report = evaluation_report(a.eval_only, seed=a.eval_seed)
         if a.write_json:
             (Path(a.eval_only) / "eval.json").write_text(json.dumps(report, indent=1))
@@ -531,9 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     if not a.out:
         p.error("--out is required (or use --eval-only FOLDER)")
     pretrain(a.out, seed=a.seed, minutes=a.minutes, ae_fraction=a.ae_fraction, ae_steps=a.ae_steps,
-             flow_steps=a.flow_steps, 
+             flow_steps=a.flow_steps,
              batch_size=a.batch_size, lr=a.lr, text_lr=a.lr, foreground_weight=a.foreground_weight,
-             eval_every=a.eval_every, threads=a.threads,
+             eval_every=a.eval_every, threads=a.threads, processes=a.processes,
              progress=not a.no_progress)
     return 0
 

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 import torch
 
 from omnirl_async.data.shapes import render
@@ -28,7 +29,7 @@ def test_short_fixed_step_run_saves_a_loadable_pipeline(tmp_path):
     from omnirl_async.models.policy import FlowMatchPolicy
 
     out = pretrain(tmp_path / "m", seed=0, minutes=5, ae_steps=12, flow_steps=12, batch_size=4, ae_batch_size=4,
-                   eval_every=0, threads=1, progress=False)
+                   eval_every=0, threads=1, processes=1, progress=False)
     log = json.loads((out / "pretrain_log.json").read_text())
     assert log["ae_steps"] == 12 and log["flow_steps"] == 12
     assert log["args"]["foreground_weight"] == 4.0
@@ -39,3 +40,21 @@ def test_short_fixed_step_run_saves_a_loadable_pipeline(tmp_path):
     size = policy.transformer.config.sample_size
     image = policy.decode(torch.zeros(1, policy.latent_channels, size, size), 32, 32)
     assert image.shape == (1, 32, 32, 3) and image.dtype == np.uint8
+
+
+def test_two_data_parallel_processes_train_in_step_and_save_once(tmp_path):
+    """2 gloo processes: rank 0's plan is shared, gradients are averaged, weights end bit-identical."""
+    from omnirl_async.models.policy import FlowMatchPolicy
+
+    out = pretrain(tmp_path / "dp", seed=0, minutes=5, ae_steps=12, flow_steps=12, batch_size=4, ae_batch_size=4,
+                   eval_every=0, threads=1, processes=2, progress=False)
+    log = json.loads((out / "pretrain_log.json").read_text())
+    assert log["processes"] == 2 and log["ae_steps"] == 12 and log["flow_steps"] == 12
+    assert log["args"]["processes"] == 2 and log["ae_check"]["n"] == 1024
+    FlowMatchPolicy.from_pretrained(out)  # rank 0 saved a loadable pipeline (the ranks' weights were checked equal)
+
+
+def test_batch_must_split_evenly_over_processes(tmp_path):
+    with pytest.raises(ValueError, match=r"`batch_size`=5 must be a multiple of `processes`=2"):
+        pretrain(tmp_path / "x", batch_size=5, processes=2, progress=False)
+    assert not (tmp_path / "x").exists()
