@@ -95,12 +95,26 @@ def test_documented_evaluation_follows_geneval_protocol():
         assert res["strict"] == pytest.approx(n_strict / res["n"])
 
 
-@pytest.mark.xfail(strict=True, reason="the committed model is below the 20 % strict-accuracy target of issue 3 "
-                   "(see docs/shapes_model.md); remove this marker when a model in range is committed")
-def test_base_accuracy_leaves_room_for_rl():
-    """The held-out protocol of RL validation (ODE), GenEval's overall strict accuracy."""
-    measured = json.loads((ASSET_DIR / "eval.json").read_text())
-    assert 0.2 <= measured["heldout_ode"]["overall"] <= 0.6, measured["heldout_ode"]["overall"]
+#: How far a recomputation of the held-out ``overall`` may drift from eval.json across machines and
+#: thread counts: 0.03 is ~4 of the 32 single-object images, or ~40 of the 384 pair images, flipping.
+OVERALL_TOLERANCE = 0.03
+
+
+def test_base_accuracy_leaves_room_for_rl(policy):
+    """Issue 3: held-out strict accuracy of the base model in [20 %, 60 %], measured here with fixed seeds.
+
+    The protocol of eval.json's ``heldout_ode``: 256 held-out prompts x 4 images, seeds 0..1023, ODE,
+    10 steps; GenEval's ``overall`` (the mean of the four category accuracies).
+    """
+    measured = json.loads((ASSET_DIR / "eval.json").read_text())["heldout_ode"]
+    assert 0.2 <= measured["overall"] <= 0.6, measured["overall"]
+    assert measured["images_per_prompt"] == 4 and measured["n"] == 1024
+    res = evaluate(None, seed=0, noise_level=0.0, num_inference_steps=10, images_per_prompt=4, policy=policy)
+    assert res["n"] == 1024
+    assert abs(res["overall"] - measured["overall"]) <= OVERALL_TOLERANCE, (res["overall"], measured["overall"])
+    assert 0.2 - OVERALL_TOLERANCE <= res["overall"] <= 0.6 + OVERALL_TOLERANCE, res["overall"]
+    # room for RL: most images miss at least one clause, yet colours are drawn right
+    assert res["strict"] < 0.5 and res["color"] > 0.9, (res["strict"], res["color"])
 
 
 def test_heldout_accuracy_matches_documented_value(policy):
