@@ -28,14 +28,27 @@ DEMO_OVERRIDES = [
 ]
 
 
-def _reward_curve(log_dir: str) -> list[tuple[int, float]]:
+def _reward_curve(log_dir: str, since: float = 0.0) -> list[tuple[int, float]]:
+    """``(step, critic/rewards/mean)`` of the runs whose event files were written at or after ``since``.
+
+    Every demo logs into the same folder, so older runs' event files sit next to
+    this run's; reading the whole folder would mix their curves into this one.
+    """
+    import os
+
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(log_dir)
-    acc.Reload()
-    if "critic/rewards/mean" not in acc.Tags().get("scalars", []):
-        return []
-    return [(e.step, e.value) for e in acc.Scalars("critic/rewards/mean")]
+    files = sorted(os.path.join(log_dir, f) for f in os.listdir(log_dir) if "tfevents" in f) \
+        if os.path.isdir(log_dir) else []
+    curve: list[tuple[int, float]] = []
+    for path in files:
+        if os.path.getmtime(path) < since:
+            continue
+        acc = EventAccumulator(path)
+        acc.Reload()
+        if "critic/rewards/mean" in acc.Tags().get("scalars", []):
+            curve += [(e.step, e.value) for e in acc.Scalars("critic/rewards/mean")]
+    return sorted(curve)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,10 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"omnirl-async demo: {cfg.trainer.v1.trainer_mode} {cfg.actor_rollout_ref.model.algorithm} on "
           f"{cfg.actor_rollout_ref.model.path}, {cfg.actor_rollout_ref.rollout.num_workers} rollout worker(s), "
           f"{cfg.learner.num_workers} learner(s), for {cfg.trainer.total_time_minutes} min")
-    t0 = time.perf_counter()
+    t0, started = time.perf_counter(), time.time()
     summary = TaskRunner(cfg, printer=tqdm.write).run()
     wall = time.perf_counter() - t0
-    curve = _reward_curve(summary["log_dir"])
+    curve = _reward_curve(summary["log_dir"], since=started)
     steps = summary["global_step"]
     samples = steps * cfg.data.train_batch_size * cfg.actor_rollout_ref.rollout.n
     print("\n=== demo summary ===")
