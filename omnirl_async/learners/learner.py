@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from omnirl_async.algos import compute_rollout_correction, get_diffusion_adv_estimator_fn, get_diffusion_loss_fn
+from omnirl_async.models.data_parallel import Group
 from omnirl_async.models.policy import FlowMatchPolicy, PromptEmbeds
 from omnirl_async.models.resolve import resolve_model_path
 from omnirl_async.models.sde import sde_step_with_logprob
@@ -231,12 +232,8 @@ class Learner:
 
     # ---------------------------------------------------------------- 4.-5. grads
     def postprocess_gradients(self) -> dict[str, float]:
-        if self.world_size > 1 and dist.is_initialized():
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
-                p.grad /= self.world_size
+        if dist.is_initialized():
+            Group(self.rank, self.world_size).average_gradients(self.params)
         clip = self.actor_cfg.grad_clip
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf")) if grads else 0.0

@@ -20,15 +20,10 @@ import numpy as np
 import torch
 
 from omnirl_async.learners.learner import Learner
+from omnirl_async.models.data_parallel import free_port
 from omnirl_async.metrics import reduce_metrics
 
 __all__ = ["LearnerGroup", "LearnerWorker"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LearnerWorker:
@@ -41,7 +36,7 @@ class LearnerWorker:
         self.learner: Learner | None = None
 
     def address(self) -> tuple[str, int]:
-        return socket.gethostbyname(socket.gethostname()), _free_port()
+        return socket.gethostbyname(socket.gethostname()), free_port()
 
     def setup(self, master: tuple[str, int] | None) -> bool:
         if self.world_size > 1:

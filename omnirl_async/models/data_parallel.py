@@ -1,4 +1,5 @@
-"""Data parallelism for the pretraining script: one process per core, gloo.
+"""Data parallelism for the pretraining script (one process per core, gloo), and the
+gradient averaging and port lookup the learner group shares with it.
 
 On a 2-core machine one training process with 2 intra-op threads is a poor
 fit for this model's small matrices: a batch-32 step of the shapes model took
@@ -63,14 +64,6 @@ class Group:
         dist.broadcast(t, src=0)
         return t.tolist()
 
-    def sync_parameters(self, modules: Iterable[torch.nn.Module]) -> None:
-        """Copy rank 0's parameters and buffers to every rank."""
-        if not self.active:
-            return
-        for m in modules:
-            for t in list(m.parameters()) + list(m.buffers()):
-                dist.broadcast(t.data, src=0)
-
     def parameters_agree(self, modules: Iterable[torch.nn.Module]) -> bool:
         """True when every rank holds bit-identical parameters (checked via a checksum on all ranks)."""
         if not self.active:
@@ -89,6 +82,7 @@ SINGLE = Group()
 
 
 def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a gloo rendezvous)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
