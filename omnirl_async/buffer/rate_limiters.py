@@ -151,10 +151,13 @@ class SampleToInsertRatio(MinSize):
         samples_per_insert`` the stored draws are at least ``diff``, hence
         ``eb >= n*spi + m - target`` and ``2*eb >= n*spi + m``; and the first
         batch needs ``m`` inserts before any sample: ``eb >= spi*(m - min_size)``.
+        Sampling also waits for ``min_size`` stored samples, which takes
+        ``ceil(min_size / n)`` whole puts: ``eb >= spi*n*ceil(min_size/n) - target``.
         """
         n_spi = self.spi * insert_size
+        fill = n_spi * math.ceil(self.min_size / insert_size) - self.target
         return max(n_spi + sample_size - self.target, (n_spi + sample_size) / 2.0,
-                   self.spi * max(0, sample_size - self.min_size))
+                   self.spi * max(0, sample_size - self.min_size), fill)
 
     def check(self, insert_size: int, sample_size: int) -> None:
         if self.error_buffer is None:

@@ -108,3 +108,15 @@ def test_ratio_drop_credits_owed_samples():
     lim2 = SampleToInsertRatio(2.0, 0, 100.0)
     lim2.load_state_dict(s)
     assert lim2.diff == lim.diff
+
+
+def test_error_buffer_floor_lets_min_size_fill_with_whole_puts():
+    """spi 0.5, min_size 6, puts of 5: sampling needs 2 puts (diff 5), so the window must reach 5 - 3 = 2."""
+    lim = SampleToInsertRatio(0.5, 6)
+    assert lim.min_error_buffer(5, 1) == 2.0
+    lim = SampleToInsertRatio(0.5, 6, lim.min_error_buffer(5, 1))
+    lim.observe(insert_size=5, sample_size=1)
+    lim.on_insert(5)
+    assert lim.can_insert(5)  # the second put that reaches min_size is allowed
+    lim.on_insert(5)
+    assert lim.can_sample(1, size=10)
