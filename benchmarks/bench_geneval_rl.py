@@ -68,7 +68,10 @@ def evaluate(cfg, lora: Path | None, prompts, seed: int):
     if lora is not None:
         model_cfg = dataclasses.replace(model_cfg, lora_adapter_path=str(lora))
     policy = build_policy(model_cfg, pick_device("cpu"), seed=cfg.data.seed)
-    return evaluate_policy(policy, RewardManager.from_config(cfg.reward), prompts,
+    # Held-out scores use GenEval's clauses whatever training-signal variant the run was given.
+    kwargs = {k: v for k, v in cfg.reward.reward_kwargs.items() if k != "exclusive_count"}
+    reward = RewardManager.from_config(dataclasses.replace(cfg.reward, reward_kwargs=kwargs))
+    return evaluate_policy(policy, reward, prompts,
                            cfg.actor_rollout_ref.rollout.val_kwargs, seed=seed)
 
 

@@ -5,7 +5,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from omnirl_async.data.shapes import COLORS, SHAPES, ObjectGroup, SceneSpec, render, render_batch, sample_spec
+from omnirl_async.data.shapes import (COLORS, SHAPES, ObjectGroup, SceneSpec, render, render_batch, sample_spec,
+                                      shape_template)
+from omnirl_async.data.shapes import _RGB
 from omnirl_async.rewards import clause_accuracy, get_reward_fn
 from omnirl_async.rewards.tiny_geneval import CLAUSE_TYPES, find_objects, label_components, segment_colors
 
@@ -98,6 +100,39 @@ def test_partial_credit_and_clause_counts():
     assert out["clause/color_total"].tolist() == [2.0, 2.0]
     acc = clause_accuracy(out)
     assert acc["position"] == 0.5 and acc["count"] == 1.0 and acc["strict"] == 0.5
+
+
+def _draw(objects) -> np.ndarray:
+    """A 32x32 image with ``(colour, shape, y, x)`` objects of size 10."""
+    image = np.zeros((32, 32, 3), np.uint8)
+    for color, shape, y, x in objects:
+        image[y:y + 10, x:x + 10][shape_template(shape, 10)] = _RGB[color]
+    return image
+
+
+def test_exclusive_count_fails_extra_objects_of_the_colour_in_score_only():
+    # "a red square" drawn with an extra red circle: GenEval's clauses all pass.
+    hedge = _draw([("red", "square", 4, 2), ("red", "circle", 4, 18)])
+    exact = _draw([("red", "square", 4, 2), ("blue", "circle", 4, 18)])
+    pair = _draw([("red", "square", 2, 2), ("red", "circle", 18, 2), ("blue", "circle", 2, 18)])
+    images = np.stack([hedge, exact, pair, pair])
+    prompts = ["a red square", "a red square", "a red square and a blue circle",
+               "a red square and a red circle"]  # one colour in both groups: both objects are asked for
+    plain = tiny_geneval(images, prompts)
+    excl = tiny_geneval(images, prompts, exclusive_count=True)
+    np.testing.assert_allclose(plain["score"], [1.0, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(excl["score"], [2 / 3, 1.0, 5 / 6, 1.0], rtol=1e-6)
+    for key in plain:
+        if key != "score":
+            np.testing.assert_array_equal(plain[key], excl[key], err_msg=key)
+    assert plain["strict"].tolist() == [1.0] * 4
+
+
+def test_exclusive_count_agrees_with_ground_truth(world):
+    specs, images, _ = world
+    out = tiny_geneval(images[:1000], [s.prompt for s in specs[:1000]], exclusive_count=True)
+    np.testing.assert_array_equal(out["score"] == 1.0, out["strict"] == 1.0)
+    assert out["strict"].mean() >= 0.99
 
 
 def test_empty_image_scores_zero():
