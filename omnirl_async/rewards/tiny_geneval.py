@@ -313,21 +313,22 @@ def tiny_geneval(
     min_area: int = 6,
     max_aspect: float = 1.5,
     position_margin: float = 0.0,
-    exclusive_count: bool = False,
+    penalize_extras: bool = False,
     chunk_size: int = 1024,
     use_scipy: bool | None = None,
     **_unused,
 ) -> dict[str, np.ndarray]:
     """Score shapes-world images against their prompts (see the module docstring).
 
-    ``exclusive_count=True`` is a training-signal variant: the count clause of
-    ``score`` then also needs exactly N objects of the colour, whatever their
-    shape. Under GenEval's count, "a red square" drawn as a red square next to
-    a red circle passes, so drawing extra objects of the colour raises the
-    odds of meeting the shape and count clauses with a model whose shapes are
-    uncertain, and a policy trained on that score learns to draw extras. Only
-    ``score`` changes: ``strict`` and the ``clause/*`` extras keep GenEval's
-    definitions, so they stay comparable across runs.
+    ``penalize_extras=True`` is a training-signal variant: in ``score``, a
+    group's shape and count clauses then also need that the image holds no
+    object of the group's colour that the prompt does not ask for. Under
+    GenEval's clauses, "a red square" drawn as a red square next to a red
+    circle meets every clause, so with a model whose shapes are uncertain,
+    drawing extra objects of the colour raises the odds of meeting the shape
+    and count clauses, and a policy trained on that score learns to draw
+    extras. Only ``score`` changes: ``strict`` and the ``clause/*`` extras keep
+    GenEval's definitions, so they stay comparable across runs.
 
     ``chunk_size`` bounds memory (the one-hot planes are ``B × 6 × H × W``).
     """
@@ -399,11 +400,12 @@ def tiny_geneval(
     n_met = sum(met.values())
     n_total = sum(total.values())
     out = {"strict": (n_met == n_total).astype(np.float32)}
-    if exclusive_count:  # objects of the colour = what the prompt asks of it (both groups if they share it)
+    if penalize_extras:  # objects of the group's colour that no group of the prompt asks for
         shared = two & (k0 == k1)
-        only0 = counts[rows, k0].sum(1) == n0 + np.where(shared, n1, 0)
-        only1 = counts[rows, k1].sum(1) == n1 + np.where(shared, n0, 0)
-        n_met = n_met - met["count"] + (count0 & only0) + (count1 & only1)
+        extra0 = counts[rows, k0].sum(1) - c0 - np.where(shared & (s0 != s1), c1, 0) > 0
+        extra1 = counts[rows, k1].sum(1) - c1 - np.where(shared & (s0 != s1), c0, 0) > 0
+        kept = [(shape0 & ~extra0), (shape1 & ~extra1), (count0 & ~extra0), (count1 & ~extra1)]
+        n_met = n_met - met["shape"] - met["count"] + sum(k.astype(np.float32) for k in kept)
     out["score"] = (n_met / n_total).astype(np.float32)
     for t in CLAUSE_TYPES:
         out[f"clause/{t}"] = met[t].astype(np.float32)

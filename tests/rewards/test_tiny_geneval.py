@@ -110,7 +110,7 @@ def _draw(objects) -> np.ndarray:
     return image
 
 
-def test_exclusive_count_fails_extra_objects_of_the_colour_in_score_only():
+def test_penalize_extras_fails_shape_and_count_in_score_only():
     # "a red square" drawn with an extra red circle: GenEval's clauses all pass.
     hedge = _draw([("red", "square", 4, 2), ("red", "circle", 4, 18)])
     exact = _draw([("red", "square", 4, 2), ("blue", "circle", 4, 18)])
@@ -119,18 +119,18 @@ def test_exclusive_count_fails_extra_objects_of_the_colour_in_score_only():
     prompts = ["a red square", "a red square", "a red square and a blue circle",
                "a red square and a red circle"]  # one colour in both groups: both objects are asked for
     plain = tiny_geneval(images, prompts)
-    excl = tiny_geneval(images, prompts, exclusive_count=True)
+    excl = tiny_geneval(images, prompts, penalize_extras=True)
     np.testing.assert_allclose(plain["score"], [1.0, 1.0, 1.0, 1.0])
-    np.testing.assert_allclose(excl["score"], [2 / 3, 1.0, 5 / 6, 1.0], rtol=1e-6)
+    np.testing.assert_allclose(excl["score"], [1 / 3, 1.0, 4 / 6, 1.0], rtol=1e-6)
     for key in plain:
         if key != "score":
             np.testing.assert_array_equal(plain[key], excl[key], err_msg=key)
     assert plain["strict"].tolist() == [1.0] * 4
 
 
-def test_exclusive_count_agrees_with_ground_truth(world):
+def test_penalize_extras_agrees_with_ground_truth(world):
     specs, images, _ = world
-    out = tiny_geneval(images[:1000], [s.prompt for s in specs[:1000]], exclusive_count=True)
+    out = tiny_geneval(images[:1000], [s.prompt for s in specs[:1000]], penalize_extras=True)
     np.testing.assert_array_equal(out["score"] == 1.0, out["strict"] == 1.0)
     assert out["strict"].mean() >= 0.99
 
