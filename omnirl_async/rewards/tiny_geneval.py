@@ -43,7 +43,10 @@ Pipeline (all steps vectorised over the batch)
 Output
 ------
 ``score`` = fraction of the prompt's clauses met, in [0, 1] (3 clauses for one
-group, 6 for "A and B", 7 with a position). Extras, all ``float32 [B]``:
+group, 6 for "A and B", 7 with a position). With ``penalize_extras=True`` (a
+training signal; see :func:`tiny_geneval`) the shape and count clauses of
+``score`` also fail when the image holds an object of the group's colour that
+the prompt does not ask for. Extras, all ``float32 [B]``:
 
 * ``strict`` – 1.0 iff every clause is met (GenEval's accuracy);
 * ``clause/<type>`` – how many clauses of that type are met, and
