@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 
 from omnirl_async.config import load_config
-from omnirl_async.data.shapes import PALETTE
+from omnirl_async.data.shapes import PALETTE, shape_template
 from omnirl_async.rewards import RewardManager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,9 +27,8 @@ def test_geneval_rl_recipe_loads_and_its_reward_runs():
     reward = RewardManager.from_config(cfg.reward)
     # A red square with an extra red circle: GenEval's clauses all pass, the training score does not pay for it.
     image = np.zeros((1, 32, 32, 3), np.uint8)
-    image[0, 4:14, 2:12] = PALETTE["red"]
-    yy, xx = np.mgrid[:10, :10]
-    image[0, 4:14, 18:28][(yy - 4.5) ** 2 + (xx - 4.5) ** 2 <= 25] = PALETTE["red"]
+    image[0, 4:14, 2:12][shape_template("square", 10)] = PALETTE["red"]
+    image[0, 4:14, 18:28][shape_template("circle", 10)] = PALETTE["red"]
     scored = reward(image, ["a red square"])
     assert scored.extra["tiny_geneval/strict"].tolist() == [1.0]
     np.testing.assert_allclose(scored.scores, [1 / 3], rtol=1e-6)

@@ -371,11 +371,11 @@ def tiny_geneval(
     two = two.astype(bool)
 
     def group(k, s, n):
-        c = counts[rows, k, s]
-        return counts[rows, k].sum(1) > 0, c > 0, c == n, c
+        c, c_color = counts[rows, k, s], counts[rows, k].sum(1)
+        return c_color > 0, c > 0, c == n, c, c_color
 
-    color0, shape0, count0, c0 = group(k0, s0, n0)
-    color1, shape1, count1, c1 = group(k1, s1, n1)
+    color0, shape0, count0, c0, c_color0 = group(k0, s0, n0)
+    color1, shape1, count1, c1, c_color1 = group(k1, s1, n1)
     color1 &= two
     shape1 &= two
     count1 &= two
@@ -405,8 +405,8 @@ def tiny_geneval(
     out = {"strict": (n_met == n_total).astype(np.float32)}
     if penalize_extras:  # objects of the group's colour that no group of the prompt asks for
         shared = two & (k0 == k1)
-        extra0 = counts[rows, k0].sum(1) - c0 - np.where(shared & (s0 != s1), c1, 0) > 0
-        extra1 = counts[rows, k1].sum(1) - c1 - np.where(shared & (s0 != s1), c0, 0) > 0
+        extra0 = c_color0 - c0 - np.where(shared & (s0 != s1), c1, 0) > 0
+        extra1 = c_color1 - c1 - np.where(shared & (s0 != s1), c0, 0) > 0
         kept = [(shape0 & ~extra0), (shape1 & ~extra1), (count0 & ~extra0), (count1 & ~extra1)]
         n_met = n_met - met["shape"] - met["count"] + sum(k.astype(np.float32) for k in kept)
     out["score"] = (n_met / n_total).astype(np.float32)

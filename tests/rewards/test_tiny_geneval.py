@@ -5,9 +5,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from omnirl_async.data.shapes import (COLORS, SHAPES, ObjectGroup, SceneSpec, render, render_batch, sample_spec,
-                                      shape_template)
-from omnirl_async.data.shapes import _RGB
+from omnirl_async.data.shapes import (COLORS, PALETTE, SHAPES, ObjectGroup, SceneSpec, render, render_batch,
+                                      sample_spec, shape_template)
 from omnirl_async.rewards import clause_accuracy, get_reward_fn
 from omnirl_async.rewards.tiny_geneval import CLAUSE_TYPES, find_objects, label_components, segment_colors
 
@@ -106,7 +105,7 @@ def _draw(objects) -> np.ndarray:
     """A 32x32 image with ``(colour, shape, y, x)`` objects of size 10."""
     image = np.zeros((32, 32, 3), np.uint8)
     for color, shape, y, x in objects:
-        image[y:y + 10, x:x + 10][shape_template(shape, 10)] = _RGB[color]
+        image[y:y + 10, x:x + 10][shape_template(shape, 10)] = PALETTE[color]
     return image
 
 
