@@ -12,9 +12,13 @@ dispatcher hands a ticket only to a worker whose policy version keeps the
 staleness bound (``wait`` strategy). A released lease keeps its ticket and
 group uid, so its samples keep their place when they are generated again.
 
-State (epoch, cursor, the order of the current epoch, tickets and the leases
-not yet completed) is saved with checkpoints; on restore outstanding leases
-return to the queue, so a crash neither loses nor duplicates a prompt.
+A completed lease is remembered until the trainer says its group was
+trained (:meth:`mark_trained`) or settled (:meth:`settle_below`: trained,
+failed or dropped). State (epoch, cursor, the order of the current epoch,
+tickets, the leases not yet completed and the completed ones not yet trained)
+is saved with checkpoints; on restore outstanding leases return to the queue,
+and so do completed-but-untrained ones when the buffer snapshot that held their
+samples is not restored, so a crash neither loses nor duplicates a prompt.
 
 The class is plain Python; ``ray.remote(PromptDispatcher)`` makes it the
 shared actor of the asynchronous mode.
@@ -65,6 +69,7 @@ class PromptDispatcher(LockedState):
         self._cursor = 0
         self._returned: deque[PromptLease] = deque()  # released leases, re-issued with the same ticket
         self._outstanding: dict[str, tuple[PromptLease, str]] = {}
+        self._untrained: dict[int, PromptLease] = {}  # completed leases by ticket, until trained or settled
 
     # ------------------------------------------------------------------ order
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -150,6 +155,7 @@ class PromptDispatcher(LockedState):
                 if entry is None:
                     raise KeyError(f"lease {lid!r} is not outstanding (completed twice, or never leased)")
                 self._done_above.add(entry[0].ticket)
+                self._untrained[entry[0].ticket] = entry[0]
             while self._done_frontier in self._done_above:
                 self._done_above.discard(self._done_frontier)
                 self._done_frontier += 1
@@ -162,7 +168,24 @@ class PromptDispatcher(LockedState):
                 if entry is not None:
                     self._returned.appendleft(entry[0])
 
-    def requeue(self, group_uid: str, prompt: str, n: int, *, global_step: int | None = None) -> None:
+    def mark_trained(self, tickets: list[int]) -> None:
+        """The groups of these tickets were trained: forget their leases."""
+        with self._lock:
+            for t in tickets:
+                self._untrained.pop(int(t), None)
+
+    def settle_below(self, ticket: int) -> None:
+        """Every ticket below ``ticket`` was trained, failed or dropped: forget their leases."""
+        with self._lock:
+            for t in [t for t in self._untrained if t < ticket]:
+                del self._untrained[t]
+
+    def num_untrained(self) -> int:
+        with self._lock:
+            return len(self._untrained)
+
+    def requeue(self, group_uid: str, prompt: str, n: int, *, global_step: int | None = None,
+                epoch: int | None = None) -> None:
         """Generate a group again under the same ``group_uid`` (the buffer evicted it: a member failed).
 
         It gets a new ticket at the end of the training order, so admission
@@ -173,7 +196,7 @@ class PromptDispatcher(LockedState):
             seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1 + 7919
             index = self.prompts.index(prompt) if prompt in self.prompts else -1
             self._returned.append(PromptLease(lease_id=new_uid(), group_uid=group_uid, prompt=prompt,
-                                              epoch=self.epoch, index=index, n=n, seed=seed, global_step=step,
+                                              epoch=self.epoch if epoch is None else int(epoch), index=index, n=n, seed=seed, global_step=step,
                                               negative_prompt=self.negative_prompt, ticket=self._next_ticket))
             self._next_ticket += 1
 
@@ -220,6 +243,10 @@ class PromptDispatcher(LockedState):
         with self._lock:
             return self._stopped
 
+    def epoch_now(self) -> int:
+        with self._lock:
+            return self.epoch
+
     def num_outstanding(self) -> int:
         with self._lock:
             return len(self._outstanding)
@@ -231,23 +258,48 @@ class PromptDispatcher(LockedState):
             return {"epoch": self.epoch, "cursor": self._cursor, "order": list(self._order),
                     "pending": pending, "num_prompts": len(self.prompts), "next_ticket": self._next_ticket,
                     "done_frontier": self._done_frontier, "done_above": sorted(self._done_above),
+                    "untrained": [_fields(x) for _, x in sorted(self._untrained.items())],
                     "admission": self.admission.state_dict() if self.admission is not None else None}
 
-    def set_state(self, state: dict) -> None:
+    def set_state(self, state: dict, *, samples_restored: bool = True) -> int:
+        """Restore a :meth:`get_state`; returns how many completed-but-untrained groups were leased again.
+
+        ``samples_restored`` says whether the buffer snapshot holding the
+        samples of completed, untrained groups was restored too; when it was
+        not, those groups go back to the queue (same ticket, group uid and
+        seed) and their tickets count as not done, so they are generated again
+        and trained once.
+        """
         if state["num_prompts"] != len(self.prompts):
             raise ValueError(f"checkpoint has {state['num_prompts']} prompts but the dataset has "
                              f"{len(self.prompts)}; resume needs the same `data.train_files`.")
+        untrained = [PromptLease(**p) for p in state.get("untrained", [])]
         with self._lock:
             self.epoch = int(state["epoch"])
             self._order = [int(i) for i in state["order"]]
             self._cursor = int(state["cursor"])
-            self._returned = deque(sorted((PromptLease(**p) for p in state["pending"]), key=lambda x: x.ticket))
+            pending = [PromptLease(**p) for p in state["pending"]]
+            done_above = {int(t) for t in state["done_above"]}
+            frontier = int(state["done_frontier"])
+            self._untrained = {x.ticket: x for x in untrained}
+            if not samples_restored and untrained:
+                # their samples are gone with the process: generate them again under their own tickets
+                pending += untrained
+                redo = {x.ticket for x in untrained}
+                below = [t for t in range(frontier) if t in redo]
+                if below:
+                    done_above |= set(range(min(below), frontier)) - redo
+                    frontier = min(below)
+                done_above -= redo
+                self._untrained = {}
+            self._returned = deque(sorted(pending, key=lambda x: x.ticket))
             self._outstanding.clear()
             self._next_ticket = int(state["next_ticket"])
-            self._done_frontier = int(state["done_frontier"])
-            self._done_above = {int(t) for t in state["done_above"]}
+            self._done_frontier = frontier
+            self._done_above = done_above
         if self.admission is not None and state.get("admission"):
             self.admission.load_state_dict(state["admission"])
+        return len(untrained) if not samples_restored else 0
 
 
 def _fields(lease: PromptLease) -> dict:

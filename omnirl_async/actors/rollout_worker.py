@@ -55,6 +55,41 @@ def lower_cpu_priority(increment: int) -> int:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+class InlineTimeout:
+    """Inline scoring bounded by ``reward.timeout_s``: a call that outlives it fails its group.
+
+    The call runs in a daemon thread; when it does not answer in time every
+    sample of the group is marked failed (reason names the key) and the worker
+    goes on. Python cannot stop the thread, so a reward that hangs for good
+    keeps one thread; this is the inline counterpart of the reward worker
+    pool's timeout, which can abandon a whole process.
+    """
+
+    def __init__(self, reward, timeout_s: float):
+        self.reward, self.timeout_s = reward, timeout_s
+
+    def __call__(self, images, prompts):
+        from omnirl_async.rewards.worker_pool import failed_result
+
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["out"] = self.reward(images, prompts)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                box["err"] = e
+
+        t = threading.Thread(target=run, name="reward-call", daemon=True)
+        t.start()
+        t.join(self.timeout_s)
+        if t.is_alive():
+            return failed_result(len(prompts), f"reward call took longer than `reward.timeout_s` = "
+                                               f"{self.timeout_s:g} s (inline scoring)")
+        if "err" in box:
+            raise box["err"]
+        return box["out"]
+
+
 class RolloutWorker:
     def __init__(self, config, *, worker_index: int = 0, num_threads: int | None = None,
                  reward_actors: list | None = None):
@@ -73,6 +108,8 @@ class RolloutWorker:
             self.reward = RewardPool(reward_actors, timeout_s=config.reward.timeout_s)
         else:
             self.reward = RewardManager.from_config(config.reward)
+            if config.reward.timeout_s:
+                self.reward = InlineTimeout(self.reward, float(config.reward.timeout_s))
         algo = self.rollout_cfg.algo
         steps = self.rollout_cfg.pipeline.num_inference_steps
         self.window = SDEWindow(num_steps=steps, window_size=algo.sde_window_size,
@@ -99,7 +136,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ continuous loop (separate_async)
     def run_loop(self, dispatcher, store, buffer, *, worker_id: str, poll_s: float = 0.02,
                  put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, float]:
-        """Lease → (new weights between requests) → generate → score → put → complete, until stopped.
+        """Lease → (new weights between requests) → generate → score → put → complete, until the trainer stops it.
 
         ``slowdown_s`` adds a sleep per group (tests and benchmarks of stragglers).
         Returns the final counters.
@@ -122,9 +159,11 @@ class RolloutWorker:
             leases = ray.get(dispatcher.lease.remote(1, global_step=None, worker_id=worker_id,
                                                      worker_version=self.version))
             if not leases:
-                if ray.get(dispatcher.should_stop.remote()) or ray.get(dispatcher.exhausted.remote()):
+                # Only the trainer ends the loop: a run whose prompts are all leased may still hand out
+                # refills (a group evicted for failed members) or leases of a worker that died.
+                if ray.get(dispatcher.should_stop.remote()):
                     break
-                time.sleep(poll_s)  # admission control says wait (or paused)
+                time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)
                 self.counters["idle_s"] += time.perf_counter() - t1
                 continue
             group = self._sample_group(leases[0], self.window.select(leases[0].global_step))

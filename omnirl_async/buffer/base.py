@@ -100,6 +100,15 @@ class ReplayBuffer(ABC):
         """
 
     @abstractmethod
+    def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
+        """Take every ready online group whose admission ticket is below ``below``; never blocks.
+
+        The ``wait`` strategy's learner update ``u`` calls it with
+        ``below = (u+1)*B`` once every ticket below that is done; the batch is
+        smaller than ``B`` groups when some of them failed, and may be empty.
+        """
+
+    @abstractmethod
     def size(self) -> int:
         """Samples stored (successful members of complete and incomplete groups)."""
 

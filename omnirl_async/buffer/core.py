@@ -214,12 +214,32 @@ class BufferCore:
                         f"{self.limiter.describe()}")
                 self.cond.wait(remaining)
 
+    def sample_tickets(self, below: int, *, learner_version: int):
+        """Every ready online group with a ticket below ``below``, at once (possibly none).
+
+        Under the ``wait`` strategy update ``u`` trains exactly the tickets
+        ``[u*B, (u+1)*B)``: the groups of those tickets that failed (evicted,
+        refilled under a later ticket) simply make the batch smaller, so what
+        the learner consumes always matches what admission control counted.
+        """
+        if not isinstance(below, (int, np.integer)) or below < 0:
+            raise ValueError(f"`below` = {below!r}: must be an integer >= 0")
+        with self.cond:
+            self.learner_version = max(int(learner_version), self.learner_version or int(learner_version))
+            if sum(t.evict_stale(int(learner_version)) for t in self.tables.values()):
+                self.cond.notify_all()
+            online = self.tables["online"]
+            return self._collect([online.sample_tickets(int(below))], int(learner_version))
+
     def _take(self, plan: list[tuple[Table, int]], learner_version: int):
+        return self._collect([t.sample(m, learner_version, self.rng) for t, m in plan], learner_version)
+
+    def _collect(self, taken: list[list], learner_version: int):
         metas: list[SampleMeta] = []
         parts: list[tuple[Any, list[int]]] = []
         lags: list[int] = []
-        for t, m in plan:
-            for g, items in t.sample(m, learner_version, self.rng):
+        for groups in taken:
+            for g, items in groups:
                 for it in items:
                     metas.append(it.meta)
                     lags.append(self.staleness.lag(it.meta.tags.policy_version, learner_version))

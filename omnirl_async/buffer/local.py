@@ -86,6 +86,10 @@ class LocalReplayBuffer(ReplayBuffer):
                                                source=source)
         return SampledBatch(metas=metas, fields=assemble_fields(parts), info=info)
 
+    def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
+        metas, parts, info = self._core.sample_tickets(below, learner_version=learner_version)
+        return SampledBatch(metas=metas, fields=assemble_fields(parts), info=info)
+
     def size(self) -> int:
         with self._core.cond:
             return self._core.size

@@ -8,6 +8,10 @@ Names (logged as is by the trainer):
 * ``buffer/inserted``, ``buffer/sampled`` – totals
 * ``buffer/dropped_stale``, ``buffer/dropped_failed``,
   ``buffer/dropped_incomplete_groups``, ``buffer/evicted`` – totals
+* ``buffer/failed/<kind>`` – failed samples by kind of reason (see
+  :func:`omnirl_async.rewards.base.failure_kind`: raised, nonfinite,
+  bad_output, timeout, no_worker, other); ``buffer/failure_examples`` (not a
+  number, not logged) holds the first ``[kind, reason, prompt]`` of each kind
 * ``buffer/staleness/lag_<k>`` – how many sampled samples had lag ``k``
   (``lag_<K>+`` for the last bin); ``buffer/staleness/mean``, ``/max``
 """
@@ -56,9 +60,19 @@ class BufferMetrics:
         self.lag_hist = [0] * (max_lag_bin + 1)
         self.lag_sum = 0
         self.lag_max = 0
+        self.failed_kinds: dict[str, int] = {}
+        self.failure_examples: dict[str, list[str]] = {}
 
     def count(self, name: str, n: int = 1) -> None:
         self.counters[name] += n
+
+    def on_failed(self, reason: str | None, prompt: str) -> None:
+        """One failed sample (its reason and prompt): counted by kind, the first of each kind kept."""
+        from omnirl_async.rewards.base import failure_kind
+
+        kind = failure_kind(reason)
+        self.failed_kinds[kind] = self.failed_kinds.get(kind, 0) + 1
+        self.failure_examples.setdefault(kind, [kind, reason or "(no reason given)", prompt])
 
     def on_insert(self, n: int) -> None:
         self.inserts.add(n)
@@ -78,6 +92,8 @@ class BufferMetrics:
         out["buffer/inserted"] = float(self.inserts.total)
         out["buffer/sampled"] = float(self.samples.total)
         out.update({f"buffer/{k}": float(v) for k, v in self.counters.items()})
+        out.update({f"buffer/failed/{k}": float(v) for k, v in sorted(self.failed_kinds.items())})
+        out["buffer/failure_examples"] = [list(v) for v in self.failure_examples.values()]
         for k, c in enumerate(self.lag_hist):
             name = f"lag_{k}+" if k == self.max_lag_bin else f"lag_{k}"
             out[f"buffer/staleness/{name}"] = float(c)
@@ -88,7 +104,8 @@ class BufferMetrics:
 
     def state_dict(self) -> dict:
         return {"counters": dict(self.counters), "lag_hist": list(self.lag_hist), "lag_sum": self.lag_sum,
-                "lag_max": self.lag_max, "inserted": self.inserts.total, "sampled": self.samples.total}
+                "lag_max": self.lag_max, "inserted": self.inserts.total, "sampled": self.samples.total,
+                "failed_kinds": dict(self.failed_kinds)}
 
     def load_state_dict(self, s: dict) -> None:
         self.counters.update({k: int(v) for k, v in s["counters"].items()})
@@ -96,3 +113,4 @@ class BufferMetrics:
         self.lag_hist = (hist + [0] * len(self.lag_hist))[:len(self.lag_hist)]
         self.lag_sum, self.lag_max = int(s["lag_sum"]), int(s["lag_max"])
         self.inserts.total, self.samples.total = int(s["inserted"]), int(s["sampled"])
+        self.failed_kinds = {str(k): int(v) for k, v in (s.get("failed_kinds") or {}).items()}

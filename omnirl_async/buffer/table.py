@@ -161,6 +161,7 @@ class Table:
                 self.nbytes += row_nbytes
             else:
                 g.failed[t.sample_index] = m
+                self.metrics.on_failed(m.reason, t.prompt)
             touched[g.uid] = g
         for g in touched.values():
             if g.reported == g.size:
@@ -171,11 +172,11 @@ class Table:
         n_failed = len(g.failed)
         if n_failed:
             self.metrics.count("dropped_failed", n_failed)
+        if n_failed and self.drop_incomplete_groups:
+            self._refill_or_drop(g)  # also a group with no successful member: it is the most incomplete
+            return
         if not g.members:
             self._remove(g)
-            return
-        if n_failed and self.drop_incomplete_groups:
-            self._refill_or_drop(g)
             return
         self.refill_rounds.pop(g.uid, None)
         if learner_version is not None and self.staleness.is_stale(g.version, learner_version):
@@ -192,7 +193,7 @@ class Table:
 
     def _refill_or_drop(self, g: Group) -> None:
         rounds = self.refill_rounds.get(g.uid, 0)
-        any_meta = next(iter(g.members.values())).meta
+        any_meta = next(iter(g.members.values())).meta if g.members else next(iter(g.failed.values()))
         failed = [g.failed[i] for i in sorted(g.failed)]
         self.limiter.on_drop(len(g.members), 0)
         self._remove(g)
@@ -290,6 +291,18 @@ class Table:
             gen.close()
         if total < m:
             raise RuntimeError(f"{type(self.sampler).__name__} yielded {total} samples, {m} were available")
+        return self._take(chosen)
+
+    def ticket_range_ready(self, below: int) -> list[Group]:
+        """Ready groups with an admission ticket in ``[0, below)``, lowest ticket first."""
+        found = [(group_ticket(g), g.order, g) for g in self.groups.values() if g.ready]
+        return [g for t, _, g in sorted(found, key=lambda x: (x[0], x[1])) if 0 <= t < below]
+
+    def sample_tickets(self, below: int) -> list[tuple[Group, list[Item]]]:
+        """Take every ready group whose ticket is below ``below`` (the learner's next update, ``wait``)."""
+        return self._take(self.ticket_range_ready(below))
+
+    def _take(self, chosen: list[Group]) -> list[tuple[Group, list[Item]]]:
         out = []
         for g in chosen:
             g.times_sampled += 1

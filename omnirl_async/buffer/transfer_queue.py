@@ -128,6 +128,11 @@ class _Controller:
         return _ENC.encode(metas), parts, info
 
     @_guard
+    def sample_tickets(self, below: int, learner_version: int):
+        metas, parts, info = self.core.sample_tickets(below, learner_version=learner_version)
+        return _ENC.encode(metas), parts, info
+
+    @_guard
     def get(self, keys: list[str]):
         metas, parts = self.core.get(keys)
         return _ENC.encode(metas), parts
@@ -238,6 +243,10 @@ class RayReplayBuffer(ReplayBuffer):
                source: SampleSource | str | None = None) -> SampledBatch:
         raw, parts, info = self._wait(self._controller.sample.remote(
             batch_size, learner_version, timeout, None if source is None else SampleSource(source).value), timeout)
+        return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+
+    def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
+        raw, parts, info = self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)), 0.0)
         return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
 
     @staticmethod

@@ -49,6 +49,10 @@ class RewardConfig:
     aggregation: str = opt("weighted_sum", "How reward_functions combine.", choices=("weighted_sum",))
     reward_kwargs: dict = opt(factory=dict, help="Extra keyword arguments passed to the reward function.")
     reward_manager: Any = opt(None, "Accepted for compatibility; the built-in manager is always used.")
+    max_failed_frac: float = opt(0.5, "Stop the job when more than this fraction of the last "
+                                 "`failed_frac_window` scored samples failed (reward raised, NaN/inf, wrong "
+                                 "shape, timeout); 1 = never stop.", ge=0, le=1)
+    failed_frac_window: int = opt(64, "Scored samples over which `max_failed_frac` is measured.", gt=0)
 
     def validate(self, path: str) -> None:
         crf = self.custom_reward_function

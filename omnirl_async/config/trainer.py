@@ -75,6 +75,9 @@ class TrainerConfig:
     validation_data_max_samples: Any = opt(None, "Cap on dumped validation samples.", gt=0)
     video_fps: int = opt(8, "FPS of dumped videos (image runs ignore it).", gt=0)
     progress_bar: bool = opt(True, "Show a progress bar on the console.")
+    wait_timeout_s: float = opt(600.0, "Longest any blocking wait of the driver (a batch of samples, a "
+                                "generation round, weights, a checkpoint quiesce) may take before the job stops "
+                                "with a diagnosis of what was awaited.", gt=0)
     use_v1: bool = opt(True, "This project has only the V1 path (transfer queue + replay buffer).",
                        not_built={False: "the legacy v0 trainer does not exist in this project"})
     v1: V1Config = field(default_factory=V1Config)
@@ -96,6 +99,8 @@ class LearnerConfig:
                        choices=("auto", "gloo", "nccl"))
     num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per learner.", gt=0)
     num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per learner.", ge=0)
+    max_consecutive_nonfinite: int = opt(3, "A step whose loss or gradient is NaN/inf is skipped and counted "
+                                         "(training/nonfinite_steps); this many in a row stop the job.", gt=0)
 
 
 @dataclass

@@ -40,6 +40,8 @@ __all__ = [
     "register_reward",
     "get_reward_fn",
     "registered_rewards",
+    "failure_kind",
+    "FAILURE_KINDS",
 ]
 
 RewardOutput = Union[np.ndarray, dict]
@@ -76,6 +78,31 @@ class RewardResult:
     @property
     def num_failed(self) -> int:
         return int(self.failed.sum())
+
+
+FAILURE_KINDS = ("raised", "nonfinite", "bad_output", "timeout", "no_worker", "other")
+
+
+def failure_kind(reason: str | None) -> str:
+    """The kind of a failed sample's ``reason``, for per-kind counters (``reward/failed/<kind>``).
+
+    The reasons come from :class:`~omnirl_async.rewards.manager.RewardManager`
+    (a function that raised, returned NaN/inf, or returned the wrong type or
+    shape) and from the scorers around it (a call that outlived
+    ``reward.timeout_s``, no reward worker left).
+    """
+    text = reason or ""
+    if "reward.timeout_s" in text:
+        return "timeout"
+    if "no reward worker left" in text:
+        return "no_worker"
+    if " raised " in text:
+        return "raised"
+    if text.endswith("for this sample") and any(w in text for w in ("nan", "inf")):
+        return "nonfinite"
+    if " returned " in text:
+        return "bad_output"
+    return "other"
 
 
 _REGISTRY: dict[str, Callable[..., RewardOutput]] = {}

@@ -24,6 +24,8 @@ from omnirl_async.metrics import Tracking
 from omnirl_async.protocol import WeightsInfo
 from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
+from omnirl_async.trainer.failures import FailureMonitor
+from omnirl_async.trainer.trained_log import TrainedLog
 
 __all__ = ["BaseTrainer"]
 
@@ -52,6 +54,12 @@ class BaseTrainer:
         self.tracking = Tracking(config.trainer, printer=printer)
         self.weight_bytes = 0
         self._val_prompts: list[str] | None = None
+        self.wait_timeout_s = float(config.trainer.wait_timeout_s)
+        self.monitor = FailureMonitor(config.reward, printer=printer)
+        self.trained = TrainedLog(config.trainer.default_local_dir)
+        self.resumed_from: Path | None = None
+        self.empty_steps = 0
+        self.last_metrics: dict[str, float] = {}
 
     # ------------------------------------------------------------------ construction (overridable)
     def sampler_config(self):
@@ -97,7 +105,12 @@ class BaseTrainer:
         info = WeightsInfo(version=self.version, num_bytes=int(sum(v.nbytes for v in weights.values())),
                            is_lora=self.config.actor_rollout_ref.model.lora_rank > 0)
         ref = ray.put(weights)
-        ray.get([w.set_weights.remote(info.version, ref) for w in self.workers])
+        try:
+            ray.get([w.set_weights.remote(info.version, ref) for w in self.workers], timeout=self.wait_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"rollout workers did not install weights version {info.version} "
+                               f"({info.num_bytes} bytes) within `trainer.wait_timeout_s` = {self.wait_timeout_s:g} "
+                               "s; a worker may be stuck in a reward call or out of memory") from None
         self.weight_bytes = info.num_bytes
         return {"timing_s/update_weights": time.perf_counter() - t0,
                 "perf/weight_sync_bytes": float(info.num_bytes)}
@@ -107,31 +120,87 @@ class BaseTrainer:
         tmp = self.ckpt.begin(self.global_step)
         self.learners.save_lora(str(tmp / "lora"))
         save_state(self.learners.get_state(), tmp, "learner")
-        save_state({"global_step": self.global_step, "version": self.version,
+        save_state({"global_step": self.global_step, "version": self.version, "empty_steps": self.empty_steps,
                     "dispatcher": self.dcall("get_state")}, tmp, "trainer")
         if self.config.buffer.snapshot_with_checkpoint:
             self.buffer.snapshot(str(tmp / "buffer"))
         return self.ckpt.commit(tmp, self.global_step)
 
-    def maybe_resume(self) -> bool:
+    def find_checkpoint(self) -> Path | None:
+        """The checkpoint to resume from: the newest one whose manifest verifies (damaged ones are named)."""
         tcfg = self.config.trainer
         if tcfg.resume_mode == "disable":
-            return False
-        folder = Path(tcfg.resume_from_path) if tcfg.resume_mode == "resume_path" else self.ckpt.latest()
+            return None
+        if tcfg.resume_mode == "resume_path":
+            from omnirl_async.trainer.checkpoint import verify_or_raise
+
+            return verify_or_raise(Path(tcfg.resume_from_path))
+        return self.ckpt.latest_verified(report=self.printer)
+
+    def maybe_resume(self) -> bool:
+        """Restore learner, driver, prompt cursor and buffer from a checkpoint; ``fit`` then publishes once."""
+        folder = self.find_checkpoint()
         if folder is None:
             return False
-        if not (folder / "COMPLETE").is_file():
-            raise FileNotFoundError(f"`trainer.resume_from_path` = {str(folder)!r} is not a complete checkpoint "
-                                    "(no COMPLETE marker).")
         self.learners.set_state(load_state(folder, "learner"))
         state = load_state(folder, "trainer")
         self.global_step, self.version = int(state["global_step"]), int(state["version"])
-        self.dcall("set_state", state["dispatcher"])
-        if (folder / "buffer").is_dir():
+        self.empty_steps = int(state.get("empty_steps", 0))
+        restored = (folder / "buffer").is_dir()
+        if restored:
             self.buffer.restore(str(folder / "buffer"))
-        self.publish_weights()
-        self.printer(f"resumed from {folder} at step {self.global_step} (policy version {self.version})")
+        redo = self.dcall("set_state", state["dispatcher"], samples_restored=restored)
+        self.trained.resumed(self.global_step)
+        self.resumed_from = folder
+        self.printer(f"resumed from {folder} at step {self.global_step} (policy version {self.version})"
+                     + (f"; {redo} admitted groups not yet trained are generated again" if redo else ""))
         return True
+
+    def last_checkpoint_text(self) -> str:
+        try:
+            latest = self.ckpt.latest_verified()
+        except Exception:  # noqa: BLE001 - only for a message
+            latest = None
+        if latest is None:
+            return "no checkpoint was written yet (set `trainer.save_freq` to checkpoint during training)"
+        return f"the last complete checkpoint is {latest}; rerun with `trainer.resume_mode=auto` to continue from it"
+
+    # ------------------------------------------------------------------ run (template)
+    def fit(self) -> dict:
+        """Run the mode's loop; a learner that died is reported once, with the checkpoint to resume from."""
+        try:
+            from omnirl_async.learners.learner_group import LearnerDiedError
+        except ImportError:  # pragma: no cover - older learner group
+            LearnerDiedError = ()  # noqa: N806
+        try:
+            return self.run_loop()
+        except LearnerDiedError as err:
+            raise type(err)(f"{err}\n{self.last_checkpoint_text()}") from None
+
+    def run_loop(self) -> dict:
+        raise NotImplementedError
+
+    def start_run(self) -> None:
+        """Publish the current version (0, or the restored one) once and start counting failures."""
+        self.publish_weights()
+        self.monitor.reset(self.buffer.metrics())
+
+    def end_of_step(self, metrics: dict[str, float], metas, batch_tickets: list[int]) -> dict[str, float]:
+        """Bookkeeping every mode does after a step: audit trail, failure counters, trained tickets."""
+        self.trained.step(self.global_step, self.version, metas)
+        if batch_tickets:
+            self.dcall("mark_trained", batch_tickets)
+        metrics.update(self.monitor.observe(self.buffer.metrics()))
+        metrics["training/empty_steps"] = float(self.empty_steps)
+        self.last_metrics = dict(metrics)
+        return metrics
+
+    def update_learner(self, batch) -> dict[str, float]:
+        """One learner update on ``batch``; an empty batch (all of its groups failed) is an empty step."""
+        if len(batch) == 0:
+            self.empty_steps += 1
+            return {}
+        return self.learners.update(batch.fields, [m.tags.group_uid for m in batch.metas])
 
     # ------------------------------------------------------------------ validation and dumps
     def should_validate(self, done: bool) -> bool:
@@ -168,11 +237,17 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ run control
     def total_steps(self) -> int:
+        """Steps of the run: ``total_training_steps``, or enough batches for ``total_epochs`` passes.
+
+        Batches run across epoch boundaries (the last prompts of an epoch share
+        a batch with the first of the next), so a prompt count that the batch
+        does not divide costs no prompt; only the very last batch of the run
+        may be smaller.
+        """
         tcfg = self.config.trainer
         if tcfg.total_training_steps:
             return int(tcfg.total_training_steps)
-        per_epoch = int(np.ceil(len(self.prompts) / self.batch_prompts))
-        return per_epoch * tcfg.total_epochs
+        return int(np.ceil(len(self.prompts) * tcfg.total_epochs / self.batch_prompts))
 
     def should_save(self, done: bool) -> bool:
         freq = self.config.trainer.save_freq
@@ -191,5 +266,8 @@ class BaseTrainer:
             self.buffer.close()
 
     def summary(self) -> dict[str, Any]:
-        return {"global_step": self.global_step, "version": self.version,
-                "log_dir": os.fspath(self.tracking.log_dir), "checkpoint_dir": os.fspath(self.ckpt.root)}
+        out = {"global_step": self.global_step, "version": self.version, "empty_steps": self.empty_steps,
+               "log_dir": os.fspath(self.tracking.log_dir), "checkpoint_dir": os.fspath(self.ckpt.root),
+               "trained_log": os.fspath(self.trained.path)}
+        out.update(self.monitor.summary())
+        return out

@@ -11,11 +11,21 @@ learner: wait for the next batch, sample it, update, and every
 Staleness (``trainer.v1.sampler``):
 
 * ``wait`` – tickets (see :mod:`omnirl_async.actors.staleness`): update ``u``
-  waits until every ticket below ``(u+1)*B`` is in the buffer and the buffer
-  hands groups out lowest ticket first, so no trained sample ever lags by more
-  than ``max_off_policy_threshold`` and nothing is dropped;
+  waits until every ticket below ``(u+1)*B`` is done and then trains exactly
+  the groups of tickets ``[u*B, (u+1)*B)`` that reached the buffer, so no
+  trained sample ever lags by more than ``max_off_policy_threshold`` and
+  nothing is dropped. A group whose reward failed leaves its ticket's slot
+  empty (a smaller batch; with ``drop_incomplete_groups`` it is generated
+  again under a new ticket), so failures never stall admission, and the last
+  batch of the run is simply the tickets that are left;
 * ``drop`` – workers run ahead freely; the buffer evicts stale groups (counted
-  in ``training/off_policy/dropped_samples``).
+  in ``training/off_policy/dropped_samples``); the learner takes ``B`` groups'
+  worth of fresh samples, or what is left when the prompts are used up.
+
+Every wait of the driver is bounded by ``trainer.wait_timeout_s`` and its
+error says what was awaited and what the dispatcher and buffer held. Reward
+failures are counted per kind and stop the job past ``reward.max_failed_frac``
+(:mod:`omnirl_async.trainer.failures`).
 
 A worker that dies has its leases returned (or completed, when its group had
 already reached the buffer) and is replaced, so every prompt of an epoch is
@@ -45,7 +55,6 @@ __all__ = ["SeparateAsyncTrainer"]
 
 class SeparateAsyncTrainer(BaseTrainer):
     poll_s = 0.02
-    wait_timeout_s = 600.0
 
     def __init__(self, config, prompts, *, printer=print, worker_slowdowns: list[float] | None = None):
         import ray
@@ -136,35 +145,87 @@ class SeparateAsyncTrainer(BaseTrainer):
             self.dcall("release", rest)
 
     # ------------------------------------------------------------------ learner side
-    def wait_for_batch(self, timer: Timer) -> None:
-        """Block until the groups of the next update are in the buffer (ticket order under ``wait``)."""
+    def requeue_refills(self) -> int:
+        """Groups the buffer evicted for a failed member (``drop_incomplete_groups``) are generated again."""
+        refills = self.buffer.take_refill_requests()
+        for r in refills:
+            self.dcall("requeue", r.group_uid, r.prompt, r.n, epoch=r.epoch)
+        return len(refills)
+
+    def prompts_finished(self) -> bool:
+        """No prompt left to lease, none in flight, no refill pending."""
+        self.requeue_refills()
+        return bool(self.dcall("exhausted")) and not self.dcall("num_outstanding")
+
+    def describe_state(self) -> str:
+        """What the dispatcher, the buffer and the workers hold, for timeout messages."""
+        buf = self.buffer.metrics()
+        failed = {k.rsplit("/", 1)[-1]: int(v) for k, v in buf.items() if k.startswith("buffer/failed/")}
+        return (f"dispatcher: tickets issued {self.dcall('tickets_issued')}, done below "
+                f"{self.dcall('tickets_done')}, leases outstanding {self.dcall('num_outstanding')}, epoch "
+                f"{self.dcall('epoch_now')}, exhausted {self.dcall('exhausted')}; buffer: "
+                f"{int(buf.get('buffer/ready_samples', 0))} ready samples in {int(buf.get('buffer/ready_groups', 0))} "
+                f"groups, {int(buf.get('buffer/incomplete_groups', 0))} incomplete groups, "
+                f"{int(buf.get('buffer/dropped_stale', 0))} dropped stale, failed samples by kind {failed or 'none'}; "
+                f"rollout workers replaced so far: {self.replaced_workers}; learner version {self.version}")
+
+    def _wait_until(self, ready, what: str, timer: Timer) -> None:
+        """Poll ``ready()`` (checking workers and reward failures) until true, or explain the timeout."""
+        deadline = time.monotonic() + self.wait_timeout_s
+        last_check = 0.0
         with timer("wait_data"):
-            if self.strategy != "wait":
-                return  # buffer.sample blocks until enough fresh samples are ready
-            first = self.global_step == 0 and self.config.trainer.v1.separate_async.num_warmup_batches > 1
-            batches = self.config.trainer.v1.separate_async.num_warmup_batches if first else 1
-            cap = (self.threshold + 1) * self.sync_step  # more is never admitted at version 0
-            target = (self.global_step + min(batches, cap)) * self.batch_prompts
-            deadline = time.monotonic() + self.wait_timeout_s
-            while self.dcall("tickets_done") < target:
-                if self.dcall("exhausted") and not self.dcall("outstanding"):
-                    return
+            while not ready():
                 self.check_workers()
+                if time.monotonic() - last_check > 1.0:
+                    self.monitor.observe(self.buffer.metrics())  # a reward that always fails stops here
+                    last_check = time.monotonic()
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"waited {self.wait_timeout_s:.0f}s for prompt groups up to ticket {target} "
-                                       f"(done: {self.dcall('tickets_done')}, issued: "
-                                       f"{self.dcall('tickets_issued')}); are the rollout workers alive?")
+                    raise TimeoutError(
+                        f"step {self.global_step + 1}: waited `trainer.wait_timeout_s` = {self.wait_timeout_s:g} s "
+                        f"for {what}. {self.describe_state()}. Likely causes: rollout workers too slow or stuck in "
+                        "a reward call (set `reward.timeout_s`), or the staleness bound "
+                        f"(`max_off_policy_threshold` = {self.threshold}) holding workers back while the learner "
+                        "waits; raise `trainer.wait_timeout_s` if generation is just slow.")
                 time.sleep(self.poll_s)
 
-    def sample_batch(self, timer: Timer):
-        with timer("sample"):
-            batch = self.buffer.sample(self.batch_prompts * self.n, learner_version=self.version,
-                                       timeout=self.wait_timeout_s)
+    def next_batch(self, timer: Timer):
+        """The batch of the next update (possibly smaller, possibly empty), or None when the run is over."""
+        step = self.global_step
+        if self.strategy == "wait":
+            sep = self.config.trainer.v1.separate_async
+            ahead = sep.num_warmup_batches if step == 0 and sep.num_warmup_batches > 1 else 1
+            cap = (self.threshold + 1) * self.sync_step  # more is never admitted at version 0
+            target = (step + min(ahead, cap)) * self.batch_prompts
+            self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
+                             f"the prompt groups of tickets below {target}", timer)
+            below = (step + 1) * self.batch_prompts
+            with timer("sample"):
+                batch = self.buffer.sample_tickets(below, learner_version=self.version)
+            if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= below:
+                return None
+        else:
+            want = self.batch_prompts * self.n
+            self._wait_until(lambda: self.buffer.num_ready_samples(self.version) >= want or self.prompts_finished(),
+                             f"{want} fresh samples (lag <= {self.threshold}) in the buffer", timer)
+            ready = self.buffer.num_ready_samples(self.version)
+            if ready == 0:
+                return None  # prompts finished and nothing fresh left
+            with timer("sample"):
+                batch = self.buffer.sample(min(want, ready), learner_version=self.version,
+                                           timeout=self.wait_timeout_s)
         self.consumed_groups.update(m.tags.group_uid for m in batch.metas)
         # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
         self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, self.version)
                                 for m in batch.metas)
         return batch
+
+    def run_finished(self) -> bool:
+        """Every admitted group has been trained (or failed) and no prompt is left."""
+        if not self.prompts_finished():
+            return False
+        if self.strategy == "wait":
+            return self.dcall("tickets_issued") <= self.global_step * self.batch_prompts
+        return self.buffer.num_ready_samples(self.version) == 0
 
     def rollout_stats(self) -> dict[str, float]:
         import ray
@@ -187,21 +248,21 @@ class SeparateAsyncTrainer(BaseTrainer):
     def save_checkpoint(self):
         """Quiesce (no new leases, in-flight groups land), then save everything consistently."""
         self.dcall("pause", True)
-        deadline = time.monotonic() + self.wait_timeout_s
-        while self.dcall("outstanding") and time.monotonic() < deadline:
-            self.check_workers()
-            time.sleep(self.poll_s)
         try:
+            self._wait_until(lambda: not self.dcall("num_outstanding"),
+                             "in-flight prompt groups to land before a checkpoint", Timer())
             return super().save_checkpoint()
         finally:
             self.dcall("pause", False)
 
     # ------------------------------------------------------------------ loop
-    def fit(self) -> dict:
+    def run_loop(self) -> dict:
         import ray
 
         total = self.total_steps()
-        self.publish_weights()
+        self.start_run()
+        if self.config.trainer.val_before_train:
+            self.tracking.log(self.validate(), self.global_step)
         for i in range(len(self.workers)):
             self._start_worker(i)
         bar = tqdm(total=None if self.config.trainer.total_time_minutes else total, initial=self.global_step,
@@ -209,37 +270,38 @@ class SeparateAsyncTrainer(BaseTrainer):
                    unit="step", disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
         deadline = (time.monotonic() + 60.0 * self.config.trainer.total_time_minutes
                     if self.config.trainer.total_time_minutes else None)
+        step_cap = self.config.trainer.total_training_steps
         t_run = time.perf_counter()
         learner_busy = 0.0
         all_staleness: list[np.ndarray] = []
         try:
-            while self.global_step < total:
+            while step_cap is None or self.global_step < int(step_cap):
                 timer = Timer()
                 t_step = time.perf_counter()
-                self.wait_for_batch(timer)
-                if self.dcall("exhausted") and not self.dcall("outstanding") and \
-                        self.buffer.num_ready_samples(self.version) == 0:
+                batch = self.next_batch(timer)
+                if batch is None:
                     break
-                batch = self.sample_batch(timer)
-                for r in self.buffer.take_refill_requests():  # evicted for a failed member: generate again
-                    self.dcall("requeue", r.group_uid, r.prompt, r.n)
+                self.requeue_refills()
                 compat = self.config.trainer.v1.separate_async.sync_compatible
                 if compat:
                     self.dcall("pause", True)
                 t_upd = time.perf_counter()
-                metrics = self.learners.update(batch.fields, [m.tags.group_uid for m in batch.metas])
+                metrics = self.update_learner(batch)
                 timer.times["update_actor"] = time.perf_counter() - t_upd
                 learner_busy += timer.times["update_actor"]
                 if compat:
                     self.dcall("pause", False)
                 self.global_step += 1
+                if self.strategy == "wait":
+                    self.dcall("settle_below", self.global_step * self.batch_prompts)
                 if self.global_step % self.sync_step == 0:
                     self.version += 1
                     metrics.update(self.publish_weights())
                     timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
                 else:
                     self.dcall("on_update", self.global_step)
-                done = self.global_step >= total or (deadline is not None and time.monotonic() > deadline)
+                done = ((step_cap is not None and self.global_step >= int(step_cap)) or self.run_finished()
+                        or (deadline is not None and time.monotonic() > deadline))
                 if self.should_save(done):
                     with timer("save_checkpoint"):
                         self.save_checkpoint()
@@ -251,7 +313,8 @@ class SeparateAsyncTrainer(BaseTrainer):
                 all_staleness.append(np.asarray(staleness))
                 extras = {k[len("extra."):].replace(".", "/"): v for k, v in batch.fields.items()
                           if k.startswith("extra.")}
-                metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
+                if len(batch):
+                    metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
                 metrics.update(compute_timing_metrics(timer.times, len(batch)))
                 metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
                 metrics.update(compute_staleness_metrics(staleness))
@@ -263,6 +326,7 @@ class SeparateAsyncTrainer(BaseTrainer):
                 metrics.update(self.rollout_stats())
                 metrics["training/global_step"] = float(self.global_step)
                 metrics["training/policy_version"] = float(self.version)
+                self.end_of_step(metrics, batch.metas, [m.tags.ticket for m in batch.metas])
                 self.tracking.log(metrics, self.global_step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}",

@@ -15,6 +15,7 @@ import time
 import numpy as np
 from tqdm.auto import tqdm
 
+from omnirl_async.buffer.base import SampledBatch
 from omnirl_async.metrics import (Timer, compute_data_metrics, compute_staleness_metrics, compute_throughput_metrics,
                                   compute_timing_metrics, reduce_metrics)
 from omnirl_async.trainer.base import BaseTrainer
@@ -39,7 +40,7 @@ class SyncTrainer(BaseTrainer):
         gen = self._generate_leases(leases, timer)
         while refills := self.buffer.take_refill_requests():
             for r in refills:
-                self.dispatcher.requeue(r.group_uid, r.prompt, r.n, global_step=self.global_step + 1)
+                self.dispatcher.requeue(r.group_uid, r.prompt, r.n, global_step=self.global_step + 1, epoch=r.epoch)
             again = self.dispatcher.lease(len(refills), global_step=self.global_step + 1)
             more = self._generate_leases(again, timer)
             gen["rewards"] = np.concatenate([gen["rewards"], more["rewards"]])
@@ -47,16 +48,52 @@ class SyncTrainer(BaseTrainer):
             gen["num"] += more["num"]
         return gen
 
-    def _generate_leases(self, leases, timer: Timer) -> dict:
+    def _run_shards(self, shards: list) -> list:
+        """``generate`` on every worker with a bounded wait; a dead worker is replaced and its shard redone."""
         import ray
 
+        outputs: list = [None] * len(shards)
+        for attempt in range(3):
+            todo = [i for i, s in enumerate(shards) if s and outputs[i] is None]
+            if not todo:
+                break
+            refs = {i: self.workers[i].generate.remote(shards[i]) for i in todo}
+            ready, pending = ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.wait_timeout_s)
+            if pending:
+                slow = [i for i, r in refs.items() if r in pending]
+                raise TimeoutError(
+                    f"step {self.global_step + 1}: rollout worker(s) {slow} did not finish generating and scoring "
+                    f"{sum(len(shards[i]) for i in slow)} prompt groups within `trainer.wait_timeout_s` = "
+                    f"{self.wait_timeout_s:g} s; a reward call may hang (set `reward.timeout_s`) or the worker "
+                    "is starved of CPU")
+            dead = []
+            for i, ref in refs.items():
+                try:
+                    outputs[i] = ray.get(ref)
+                except ray.exceptions.RayActorError as err:
+                    dead.append((i, type(err).__name__))
+            for i, reason in dead:
+                self.printer(f"rollout worker {i} died ({reason}) during step {self.global_step + 1}; starting a "
+                             "replacement and generating its prompts again")
+                self.workers[i] = self.make_worker(i)
+            if dead:
+                self.publish_weights()  # the replacement starts from the current version
+        missing = [i for i, s in enumerate(shards) if s and outputs[i] is None]
+        if missing:
+            raise RuntimeError(f"step {self.global_step + 1}: rollout worker(s) {missing} died three times in a "
+                               "row while generating; see the worker logs above")
+        return outputs
+
+    def _generate_leases(self, leases, timer: Timer) -> dict:
         shards = [leases[i::len(self.workers)] for i in range(len(self.workers))]
         with timer("gen"):
-            refs = [w.generate.remote(s) for w, s in zip(self.workers, shards) if s]
-            outputs = ray.get(refs)
+            outputs = self._run_shards(shards)
         metas_all, rewards, failed, extras, stats, images = [], [], [], {}, [], []
-        for shard, (metas, fields, st) in zip([s for s in shards if s], outputs):
-            self.buffer.put(metas, fields)
+        for shard, out in zip(shards, outputs):
+            if not shard:
+                continue
+            metas, fields, st = out
+            self.buffer.put(metas, fields, timeout=self.wait_timeout_s)
             self.dispatcher.complete([lease.lease_id for lease in shard])
             metas_all.extend(metas)
             rewards.append(fields["rewards"])
@@ -72,25 +109,25 @@ class SyncTrainer(BaseTrainer):
                "num": len(metas_all), "images": images, "prompts": [m.tags.prompt for m in metas_all]}
         return gen
 
-    def train(self, timer: Timer) -> tuple[dict[str, float], np.ndarray, int]:
-        """Sample every ready group (lag 0) and run one learner update on it."""
+    def train(self, timer: Timer):
+        """Sample every ready group (lag 0) and run one learner update on it.
+
+        When every group of the batch failed reward scoring there is nothing to
+        train: the step is an empty step (counted in ``training/empty_steps``)
+        and ``reward.max_failed_frac`` decides whether the job goes on.
+        """
         with timer("sample"):
             ready = self.buffer.num_ready_samples(self.version)
-            if ready == 0:
-                raise RuntimeError(f"step {self.global_step + 1}: no sample of this batch can be trained (every "
-                                   "group failed reward scoring); see critic/rewards/failed_frac and the reward "
-                                   "function's errors")
-            batch = self.buffer.sample(ready, learner_version=self.version, timeout=60.0)
-        group_ids = [m.tags.group_uid for m in batch.metas]
+            batch = (self.buffer.sample(ready, learner_version=self.version, timeout=self.wait_timeout_s)
+                     if ready else SampledBatch(metas=[], fields={}))
         with timer("update_actor"):
-            metrics = self.learners.update(batch.fields, group_ids)
-        return metrics, batch.info.get("staleness", np.zeros(len(batch))), len(batch)
+            metrics = self.update_learner(batch)
+        return metrics, batch
 
     # ------------------------------------------------------------------ loop
-    def fit(self) -> dict:
+    def run_loop(self) -> dict:
         total = self.total_steps()
-        if self.global_step == 0:
-            self.publish_weights()
+        self.start_run()
         if self.config.trainer.val_before_train:
             self.tracking.log(self.validate(), self.global_step)
         bar = tqdm(total=None if self.config.trainer.total_time_minutes else total, initial=self.global_step,
@@ -106,12 +143,15 @@ class SyncTrainer(BaseTrainer):
                 gen = self.generate(timer)
                 if gen is None:
                     break
-                metrics, staleness, trained = self.train(timer)
+                metrics, batch = self.train(timer)
+                staleness = batch.info.get("staleness", np.zeros(len(batch)))
                 self.global_step += 1
                 self.version += 1
                 metrics.update(self.publish_weights())
                 timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
-                done = self.global_step >= total or (deadline is not None and time.monotonic() > deadline)
+                self.dispatcher.settle_below(self.dispatcher.tickets_issued())
+                done = (self.global_step >= total or self.dispatcher.exhausted()
+                        or (deadline is not None and time.monotonic() > deadline))
                 if self.should_save(done):
                     with timer("save_checkpoint"):
                         self.save_checkpoint()
@@ -124,12 +164,13 @@ class SyncTrainer(BaseTrainer):
                 metrics.pop("timing_s/gen", None)  # worker-side time; the wall-clock one is in timer
                 metrics.update(compute_data_metrics(gen["rewards"], None, gen["extras"], gen["failed"]))
                 metrics.update(compute_timing_metrics(timer.times, gen["num"]))
-                metrics.update(compute_throughput_metrics(trained, timer.times["step"]))
+                metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
                 metrics.update(compute_staleness_metrics(staleness))
                 metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in self.buffer.metrics().items()
                                 if not isinstance(v, (list, tuple))})
                 metrics["training/global_step"] = float(self.global_step)
                 metrics["training/epoch"] = float(self.dispatcher.epoch)
+                self.end_of_step(metrics, batch.metas, [m.tags.ticket for m in batch.metas])
                 self.tracking.log(metrics, self.global_step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
+from omnirl_async.trainer.checkpoint import CheckpointError, CheckpointManager, load_state, save_state
 
 
 def test_nested_state_round_trips_bit_exactly(tmp_path):
@@ -39,8 +39,9 @@ def test_bad_format_version_is_refused(tmp_path):
 
     save_state({"w": torch.ones(2)}, tmp_path, "s")
     (tmp_path / "s.msgpack").write_bytes(msgspec.msgpack.encode({"format": 99, "state": {}}))
-    with pytest.raises(ValueError, match="unsupported checkpoint format"):
+    with pytest.raises(CheckpointError, match="s.msgpack: unsupported checkpoint format 99"):
         load_state(tmp_path, "s")
+    assert issubclass(CheckpointError, ValueError)
 
 
 def test_manager_commits_atomically_and_prunes(tmp_path):
@@ -55,3 +56,46 @@ def test_manager_commits_atomically_and_prunes(tmp_path):
     # an interrupted write (no COMPLETE marker) is never picked up
     (tmp_path / "global_step_9").mkdir()
     assert mgr.latest().name == "global_step_3"
+
+
+def _commit(mgr, step):
+    tmp = mgr.begin(step)
+    save_state({"step": step, "w": torch.full((64,), float(step))}, tmp, "trainer")
+    return mgr.commit(tmp, step)
+
+
+def test_prune_never_removes_the_checkpoint_being_written(tmp_path):
+    # resumed from an older step while a newer folder exists: the new step stays, the older one goes
+    mgr = CheckpointManager(tmp_path, max_to_keep=2)
+    for step in (9, 5, 6):
+        _commit(mgr, step)
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_6", "global_step_9"]
+    mgr.max_to_keep = 1
+    _commit(mgr, 7)
+    assert [p.name for p in tmp_path.glob("global_step_*")] == ["global_step_7"]
+
+
+def test_prune_keeps_damaged_folders_and_does_not_count_them(tmp_path):
+    mgr = CheckpointManager(tmp_path, max_to_keep=2)
+    _commit(mgr, 1)
+    damaged = _commit(mgr, 2)
+    path = damaged / "trainer.safetensors"
+    path.write_bytes(path.read_bytes()[:-16])
+    _commit(mgr, 3)
+    # 3 and the newest verified older one (1) are kept; the damaged 2 is left for inspection
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_1", "global_step_2",
+                                                                       "global_step_3"]
+    _commit(mgr, 4)
+    assert sorted(p.name for p in tmp_path.glob("global_step_*")) == ["global_step_2", "global_step_3",
+                                                                       "global_step_4"]
+
+
+def test_recommitting_a_step_replaces_it(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    _commit(mgr, 3)
+    tmp = mgr.begin(3)
+    save_state({"step": 30}, tmp, "trainer")
+    final = mgr.commit(tmp, 3)
+    assert load_state(final, "trainer")["step"] == 30
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    assert mgr.latest_verified() == final

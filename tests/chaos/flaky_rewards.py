@@ -1,0 +1,55 @@
+"""Reward functions that fail on purpose, for the chaos tests (loaded by path as custom rewards).
+
+Each scores an image by its mean brightness (a real, cheap score) and fails on
+every third call of its process in one way: it raises, returns NaN, returns
+the wrong shape, or sleeps past ``reward.timeout_s``. ``always_fails`` raises
+on every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import numpy as np
+
+_calls = itertools.count(1)
+_lock = threading.Lock()
+
+
+def _third_call() -> bool:
+    with _lock:
+        return next(_calls) % 3 == 0
+
+
+def _brightness(images: np.ndarray) -> np.ndarray:
+    return images.reshape(len(images), -1).mean(axis=1) / 255.0
+
+
+def raises_every_third(images, prompts, **kwargs):
+    if _third_call():
+        raise ConnectionError("scorer service refused the connection")
+    return _brightness(images)
+
+
+def nan_every_third(images, prompts, **kwargs):
+    score = _brightness(images)
+    if _third_call():
+        score = np.full_like(score, np.nan)
+    return score
+
+
+def wrong_shape_every_third(images, prompts, **kwargs):
+    score = _brightness(images)
+    return score[:-1] if _third_call() else score
+
+
+def slow_every_third(images, prompts, sleep_s: float = 3.0, **kwargs):
+    if _third_call():
+        time.sleep(sleep_s)
+    return _brightness(images)
+
+
+def always_fails(images, prompts, **kwargs):
+    raise RuntimeError("the judge model is not loaded")
