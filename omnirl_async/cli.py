@@ -8,6 +8,12 @@
 
 Overrides use Hydra's grammar and the key paths of VeRL-Omni
 (``actor_rollout_ref.rollout.n=8``, ``trainer.v1.trainer_mode=sync``).
+
+A user error - a bad config value (``ConfigError``), a file or folder the config
+points at that cannot be used (``InputError``, found before Ray starts), an
+unusable checkpoint (``CheckpointError``) - is printed to stderr as one line
+``omnirl-async: <message>`` and the command exits with code 2, without a
+traceback. Any other exception is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -129,14 +135,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The exception classes that mean "the user's input is wrong", not "the program is wrong"."""
     from omnirl_async.config.validate import ConfigError
+    from omnirl_async.preflight import InputError
 
+    types: list[type[BaseException]] = [ConfigError, InputError]
+    try:  # added by the checkpoint module; absent in older trees
+        from omnirl_async.trainer.checkpoint import CheckpointError
+    except Exception:  # noqa: BLE001 - any import problem there must not hide the user's error
+        CheckpointError = None
+    if isinstance(CheckpointError, type) and issubclass(CheckpointError, BaseException):
+        types.append(CheckpointError)
+    return tuple(types)
+
+
+def _user_message(err: BaseException) -> str:
+    """The user error's own message; one raised inside a Ray actor arrives wrapped with the remote traceback."""
+    cause = getattr(err, "cause", None)
+    if type(err).__name__.startswith("RayTaskError") and isinstance(cause, BaseException):
+        return str(cause)
+    return str(err)
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
-    except ConfigError as err:
-        print(f"omnirl-async: config error: {err}", file=sys.stderr)
+    except Exception as err:
+        if not isinstance(err, user_error_types()):
+            raise
+        print(f"omnirl-async: {_user_message(err)}", file=sys.stderr)
         return 2
 
 

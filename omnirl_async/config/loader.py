@@ -6,6 +6,12 @@ carries it; ``configs/`` at the repository root links to it) lists it first in
 its defaults so every key is typed. Command-line overrides use Hydra's grammar
 (``a.b=1``, ``+a.c=2``, ``~a.d``), and the result is checked by
 :func:`to_validated_object`.
+
+Every failure is a :class:`ConfigError` whose message starts with the key
+path: each override is parsed on its own first, so a malformed one (``a.b=[1``,
+``a.b``, a sweep such as ``a.b=choice(1,2)``) is reported with its key, and
+whatever Hydra or OmegaConf raise while composing is translated, never passed
+through.
 """
 
 from __future__ import annotations
@@ -17,14 +23,15 @@ from typing import Sequence
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from omnirl_async.config.root import DiffusionTrainerConfig
-from omnirl_async.config.validate import ConfigError, to_validated_object
+from omnirl_async.config.validate import (ConfigError, schema_at, to_validated_object, type_at,
+                                          unknown_key_message)
 
-__all__ = ["register_configs", "default_config_dir", "compose_config", "load_config"]
+__all__ = ["register_configs", "default_config_dir", "check_override_syntax", "compose_config", "load_config"]
 
 SCHEMA_NAME = "diffusion_trainer_schema"
 _REGISTERED = False
@@ -51,33 +58,90 @@ def default_config_dir() -> Path:
                             "folder that holds it.")
 
 
+def override_key(text: str) -> str:
+    """The key an override string is about, even when it does not parse (``+a.b=1`` -> ``a.b``)."""
+    return text.lstrip("+~").split("=", 1)[0].split("@", 1)[0].strip()
+
+
+def check_override_syntax(overrides: Sequence[str]) -> None:
+    """Parse each override alone; raise :class:`ConfigError` naming the key of the first malformed one."""
+    parser = None
+    for text in overrides:
+        if not isinstance(text, str):
+            raise ConfigError(f"override {text!r} is a {type(text).__name__}; overrides are strings such as "
+                              "`data.train_batch_size=16`.")
+        key = override_key(text)
+        if not key:
+            raise ConfigError(f"override {text!r} has no key before '='; write `<key>=<value>`, e.g. "
+                              "`data.train_batch_size=16`.")
+        parser = parser or OverridesParser.create()
+        try:
+            parsed = parser.parse_override(text)
+        except Exception as err:  # noqa: BLE001 - Hydra's grammar errors come in several types
+            raise ConfigError(f"`{key}`: cannot parse the override {text!r} ({_first_lines(err)}); write "
+                              f"`{key}=<value>` in Hydra's grammar and quote a value with spaces or special "
+                              f"characters, e.g. `{key}='a b'`.") from None
+        if parsed.is_sweep_override():
+            raise ConfigError(f"`{key}`: {text!r} is a sweep (choice/range/glob/interval/shuffle/sort); a run "
+                              f"takes one value: write `{key}=<value>`.")
+        _check_bool_value(key, parsed)
+
+
+def _check_bool_value(key: str, parsed) -> None:
+    """OmegaConf turns any integer into a bool (``2`` -> true); a bool key takes true/false (or 0/1) only."""
+    if parsed.value_type is None or type_at(DiffusionTrainerConfig, key) is not bool:
+        return
+    value = parsed.value()
+    if isinstance(value, int) and not isinstance(value, bool) and value not in (0, 1):
+        raise ConfigError(f"`{key}` = {value!r} is not a bool; write `{key}=true` or `{key}=false`.")
+
+
+def _first_lines(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    lines = [ln for ln in lines if not ln.startswith(("See https://", "Error parsing override"))]
+    return "; ".join(lines[:2]) or type(err).__name__
+
+
 def compose_config(overrides: Sequence[str] = (), *, config_name: str = "diffusion_trainer",
                    config_dir: str | os.PathLike | None = None) -> DictConfig:
     """Compose the YAML and the overrides into a DictConfig (not yet validated)."""
     register_configs()
+    overrides = list(overrides)
+    check_override_syntax(overrides)
     cdir = Path(config_dir).resolve() if config_dir is not None else default_config_dir()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
-            return compose(config_name=config_name, overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as err:
+            return compose(config_name=config_name, overrides=overrides)
+    except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf internals: translate, never pass through
         raise ConfigError(_explain(err, config_name, cdir, overrides)) from None
 
 
 def _explain(err: BaseException, config_name: str, cdir: Path, overrides: Sequence[str]) -> str:
-    """Name the key path of the deepest OmegaConf error in the chain, with its one-line reason."""
+    """Name the key path of the deepest OmegaConf error in the chain (else the override the message quotes)."""
     chain, e = [], err
     while e is not None and len(chain) < 10:
         chain.append(e)
         e = e.__cause__ or e.__context__
+    where = f"(composing `{config_name}` from {cdir})"
     for e in reversed(chain):
         key = getattr(e, "full_key", None)
         if key:
             reason = str(e).splitlines()[0]
-            return f"`{key}`: {reason} (composing `{config_name}` from {cdir})"
-    return (f"could not compose `{config_name}` from {cdir} with overrides {list(overrides)}: "
-            + " <- ".join(str(e).splitlines()[0] for e in chain))
+            if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in reason:
+                parent = key.rpartition(".")[0]
+                schema = schema_at(DiffusionTrainerConfig, parent)
+                if schema is not None:
+                    return unknown_key_message(key, schema)
+                return f"`{key}`: {reason}; `{parent}` is a mapping: add a key to it with `+{key}=<value>` {where}"
+            return f"`{key}`: {reason} {where}"
+    reasons = " <- ".join(str(e).splitlines()[0] for e in chain if str(e).strip())
+    for text in overrides:
+        key = override_key(text)
+        if key and (key in reasons or text in reasons):
+            return f"`{key}`: {reasons} (override {text!r}) {where}"
+    return f"could not compose `{config_name}` from {cdir} with overrides {list(overrides)}: {reasons}"
 
 
 def load_config(overrides: Sequence[str] = (), *, config_name: str = "diffusion_trainer",

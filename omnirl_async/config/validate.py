@@ -6,11 +6,20 @@ Three passes, each naming the key path of the first problem it finds:
 2. type conversion into the typed dataclasses (OmegaConf),
 3. the per-field rules declared with :func:`omnirl_async.config.fields.opt`,
    then each dataclass's own ``validate(path)`` for rules that span fields.
+
+Whatever goes wrong comes out as one :class:`ConfigError` whose message starts
+with the key path: OmegaConf's own errors are translated, a bounded field
+(``gt=0``...) refuses values that are not numbers even when it is typed
+``Any``, and a ``validate`` that trips over a value of the wrong shape (a
+``TypeError`` on ``len(5)``) is reported with the keys of that section the user
+changed, never as a bare traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import math
 import typing
 from typing import Any
@@ -20,7 +29,8 @@ from omegaconf.errors import OmegaConfBaseException
 
 from omnirl_async.config.fields import Rule
 
-__all__ = ["ConfigError", "check_unknown_keys", "validate_tree", "to_validated_object"]
+__all__ = ["ConfigError", "check_unknown_keys", "unknown_key_message", "type_at", "schema_at", "validate_tree",
+           "to_validated_object"]
 
 
 class ConfigError(ValueError):
@@ -31,9 +41,41 @@ def _dataclass_fields(tp) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(tp)}
 
 
+@functools.lru_cache(maxsize=None)
+def _type_hints(owner: type) -> dict[str, Any]:
+    return typing.get_type_hints(owner)
+
+
 def _field_type(owner, f: dataclasses.Field):
-    hints = typing.get_type_hints(owner)
-    return hints.get(f.name, Any)
+    return _type_hints(owner).get(f.name, Any)
+
+
+def unknown_key_message(key_path: str, schema: type) -> str:
+    """``key_path`` is not a field of ``schema`` (the dataclass of its parent): say so, with near misses."""
+    parent, _, key = key_path.rpartition(".")
+    fields = _dataclass_fields(schema)
+    close = difflib.get_close_matches(key, list(fields), n=3, cutoff=0.6)
+    close += [k for k in fields if k.startswith(key[:3]) and k not in close]
+    hint = f" Did you mean one of {close}?" if close else ""
+    return (f"`{key_path}` is not a known config key.{hint} Known keys at `{parent or '<root>'}`: "
+            f"{sorted(fields)}.")
+
+
+def type_at(schema: type, key_path: str) -> Any:
+    """The declared type of ``key_path`` under ``schema`` ("" = ``schema``); None when no field has that path."""
+    tp: Any = schema
+    for part in [p for p in key_path.split(".") if p]:
+        fields = _dataclass_fields(tp) if dataclasses.is_dataclass(tp) else {}
+        if part not in fields:
+            return None
+        tp = _field_type(tp, fields[part])
+    return tp
+
+
+def schema_at(schema: type, key_path: str) -> type | None:
+    """The dataclass that declares the fields under ``key_path`` ("" = ``schema``), or None."""
+    tp = type_at(schema, key_path)
+    return tp if dataclasses.is_dataclass(tp) else None
 
 
 def check_unknown_keys(node: Any, schema: type, path: str = "") -> None:
@@ -46,10 +88,7 @@ def check_unknown_keys(node: Any, schema: type, path: str = "") -> None:
         if key in ("_target_",):
             continue
         if key not in fields:
-            close = [k for k in fields if k.startswith(str(key)[:3])]
-            hint = f" Did you mean one of {close}?" if close else ""
-            raise ConfigError(f"`{key_path}` is not a known config key.{hint} Known keys at "
-                              f"`{path or '<root>'}`: {sorted(fields)}.")
+            raise ConfigError(unknown_key_message(key_path, schema))
         sub_type = _field_type(schema, fields[key])
         if dataclasses.is_dataclass(sub_type):
             value = node[key] if not isinstance(node, DictConfig) else node._get_node(key)
@@ -70,15 +109,21 @@ def _check_rule(value: Any, rule: Rule, path: str) -> None:
     allowed = _allowed(rule)
     if allowed is not None and value not in allowed:
         raise ConfigError(f"`{path}` = {value!r} is not allowed; choose one of {allowed}.")
-    if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+    if value is None:
+        return
+    bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
+              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
+    declared = [(sym, getattr(rule, attr), ok) for attr, sym, ok in bounds if getattr(rule, attr) is not None]
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not is_number:
+        if declared:  # a bounded field typed Any: only numbers (or null) make sense
+            need = " and ".join(f"{sym} {b}" for sym, b, _ in declared)
+            raise ConfigError(f"`{path}` = {value!r} is not a number; give a number {need}, or null.")
         return
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"`{path}` = {value!r} must be a finite number.")
-    bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
-              ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
-    for attr, sym, ok in bounds:
-        b = getattr(rule, attr)
-        if b is not None and not ok(value, b):
+    for sym, b, ok in declared:
+        if not ok(value, b):
             raise ConfigError(f"`{path}` = {value!r} must be {sym} {b}.")
 
 
@@ -92,21 +137,94 @@ def validate_tree(obj: Any, path: str = "") -> None:
             validate_tree(value, key_path)
         elif rule is not None:
             _check_rule(value, rule, key_path)
+    _run_class_check(obj, path)
+
+
+def _run_class_check(obj: Any, path: str) -> None:
+    """``obj.validate(path)``; a ValueError is the user's error, a crash on a wrong-shaped value too."""
     check = getattr(obj, "validate", None)
-    if callable(check):
+    if not callable(check):
+        return
+    try:
+        check(path)
+    except ConfigError:
+        raise
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    except (TypeError, AttributeError, KeyError, IndexError) as err:
+        raise ConfigError(_crash_message(obj, path, err)) from None
+
+
+def _default_of(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def _changed_fields(obj: Any) -> list[dataclasses.Field]:
+    """Direct non-section fields of ``obj`` whose value differs from the declared default."""
+    out = []
+    for f in dataclasses.fields(obj):
+        default = _default_of(f)
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value) or (isinstance(default, str) and default.startswith("${")):
+            continue
+        if default is dataclasses.MISSING or value != default:
+            out.append(f)
+    return out
+
+
+def _crashes(obj: Any, path: str) -> bool:
+    try:
+        obj.validate(path)
+    except (TypeError, AttributeError, KeyError, IndexError):
+        return True
+    except Exception:  # noqa: BLE001 - another complaint is not this crash
+        return False
+    return False
+
+
+def _culprits(obj: Any, path: str) -> list[dataclasses.Field]:
+    """The changed fields whose value, put back to its default, makes ``validate`` stop crashing."""
+    changed = _changed_fields(obj)
+    found = []
+    for f in changed:
         try:
-            check(path)
-        except ConfigError:
-            raise
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+            trial = dataclasses.replace(obj, **{f.name: _default_of(f)})
+        except Exception:  # noqa: BLE001 - cannot rebuild: keep the field as a suspect
+            found.append(f)
+            continue
+        if not _crashes(trial, path):
+            found.append(f)
+    return found or changed
+
+
+def _crash_message(obj: Any, path: str, err: BaseException) -> str:
+    """Name the keys of the section whose ``validate`` could not handle their values."""
+    where = f"`{path}`" if path else "the config"
+    reason = f"{type(err).__name__}: {err}"
+    culprits = _culprits(obj, path)
+    if not culprits:
+        return f"{where}: a value has the wrong type or shape ({reason}); check the keys you set under it."
+    parts = []
+    for f in culprits:
+        key = f"{path}.{f.name}" if path else f.name
+        help_text = f.metadata.get("help", "")
+        parts.append(f"`{key}` = {getattr(obj, f.name)!r}" + (f" (expected: {help_text.rstrip('.')})"
+                                                              if help_text else ""))
+    return f"{'; '.join(parts)}: the check of {where} cannot use this value ({reason})."
 
 
 def to_validated_object(cfg: DictConfig, schema: type):
     """Unknown keys → types → rules. Returns the typed dataclass instance."""
     check_unknown_keys(cfg, schema)
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+        # A config composed by the loader is already typed by the schema; merging it into a fresh
+        # structured copy again would only cost time.
+        typed = isinstance(cfg, DictConfig) and OmegaConf.get_type(cfg) is schema
+        merged = cfg if typed else OmegaConf.merge(OmegaConf.structured(schema), cfg)
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "<config>"

@@ -14,9 +14,13 @@ and say almost nothing about counting.
 
 Prompt files
 ------------
-``.jsonl``: one JSON object per line with at least ``"prompt"`` (other keys,
-such as ``"category"``, are kept). ``.txt``: one prompt per line. Blank lines
-are skipped. A row without a prompt is an error that names the file and line.
+``.jsonl``: one JSON object per line with at least ``"prompt"`` (or the field
+``data.prompt_key`` names; other keys, such as ``"category"``, are kept).
+``.txt``: one prompt per line. Files are UTF-8 (a BOM is allowed); blank lines
+are skipped. Anything else - a missing file, a directory, another extension,
+bytes that are not UTF-8, a line that is not JSON or has no prompt, a file
+without prompts - raises :class:`omnirl_async.preflight.InputError` naming the
+config key, the file and line, and the fix.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from omnirl_async.data.shapes import (
     SceneSpec,
     parse_prompt,
 )
+from omnirl_async.preflight import InputError
 
 __all__ = [
     "CATEGORIES",
@@ -49,6 +54,8 @@ __all__ = [
     "train_prompts",
     "heldout_prompts",
     "write_prompt_file",
+    "PROMPT_FILE_SUFFIXES",
+    "prompt_file_list",
     "read_prompt_rows",
     "read_prompts",
 ]
@@ -150,36 +157,102 @@ def write_prompt_file(path: str | os.PathLike, prompts: Iterable[str], *, with_c
     return n
 
 
-def read_prompt_rows(path: str | os.PathLike) -> list[dict]:
-    """Read a prompt file into rows (dicts with at least ``"prompt"``)."""
-    path = os.fspath(path)
-    if not os.path.isfile(path):
-        raise ValueError(f"prompt file {path!r} does not exist; check the `data.*_files` setting")
+#: Prompt-file extensions and their format.
+PROMPT_FILE_SUFFIXES = {".jsonl": "jsonl", ".txt": "txt"}
+_EXAMPLE_ROW = '{"prompt": "two red circles"}'
+
+
+def _at(key: str | None) -> str:
+    return f"`{key}`: " if key else ""
+
+
+def prompt_file_list(value, *, key: str = "data.train_files") -> list[str]:
+    """``data.*_files`` as a list of paths: one path, or a non-empty list of paths."""
+    if isinstance(value, (str, os.PathLike)) and os.fspath(value):
+        return [os.fspath(value)]
+    if isinstance(value, (list, tuple)) and value and all(
+            isinstance(v, (str, os.PathLike)) and os.fspath(v) for v in value):
+        return [os.fspath(v) for v in value]
+    raise InputError(f"`{key}` = {value!r}: expected a prompt file path or a non-empty list of them (.jsonl or "
+                     ".txt); null uses the embedded shapes prompts.")
+
+
+def _check_prompt_path(path: str, key: str | None) -> str:
+    """Raise :class:`InputError` unless ``path`` is a prompt file of a known format; return the format."""
+    if os.path.isdir(path):
+        inside = sorted(n for n in os.listdir(path) if os.path.splitext(n)[1] in PROMPT_FILE_SUFFIXES)
+        if not inside:
+            raise InputError(f"{_at(key)}{path} is a directory, not a prompt file, and holds no .jsonl or .txt "
+                             "file; name a prompt file (.jsonl or .txt) instead.")
+        listed = ", ".join(inside[:5]) + (", ..." if len(inside) > 5 else "")
+        example = f"`{key}={os.path.join(path, inside[0])}`" if key else repr(os.path.join(path, inside[0]))
+        raise InputError(f"{_at(key)}{path} is a directory, not a prompt file (it holds {listed}); name the "
+                         f"prompt file(s) themselves, e.g. {example}.")
+    if not os.path.exists(path):
+        raise InputError(f"{_at(key)}prompt file {path} does not exist; fix the path (null uses the embedded "
+                         "shapes prompts).")
+    suffix = os.path.splitext(path)[1]
+    if suffix not in PROMPT_FILE_SUFFIXES:
+        raise InputError(f"{_at(key)}{path} has the extension {suffix or '(none)'!r}, which is not a prompt file "
+                         f"format; use .jsonl (one object such as {_EXAMPLE_ROW} per line) or .txt (one prompt "
+                         "per line).")
+    return PROMPT_FILE_SUFFIXES[suffix]
+
+
+def _read_text(path: str, key: str | None) -> str:
+    """The file as text; bytes that are not UTF-8 are an error naming line, column and byte offset."""
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        col = e.start - (data.rfind(b"\n", 0, e.start) + 1) + 1
+        raise InputError(f"{_at(key)}{path}:{line}: byte {data[e.start]:#04x} at offset {e.start} (column {col}) "
+                         f"is not valid UTF-8 ({e.reason}); save the file as UTF-8.") from None
+
+
+def _parse_row(line: str, lineno: int, path: str, prompt_key: str, key: str | None) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise InputError(f"{_at(key)}{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); each line must "
+                         f"be one object such as {_EXAMPLE_ROW}.") from None
+    if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
+        fix = ", or set `data.prompt_key` to the field that holds the prompt" if key else ""
+        raise InputError(f"{_at(key)}{path}:{lineno}: row has no string {json.dumps(prompt_key)} field (got "
+                         f"{line.strip()[:80]!r}); each line must look like "
+                         f"{{{json.dumps(prompt_key)}: \"two red circles\"}}{fix}.")
+    return row
+
+
+def read_prompt_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", key: str | None = None) -> list[dict]:
+    """Read a prompt file into rows (dicts with at least a string ``prompt_key``).
+
+    ``key`` is the config key that named the file (``data.train_files``); every
+    problem - missing file, a directory, an unknown extension, bytes that are
+    not UTF-8, invalid JSON, a row without the prompt, no prompt at all - is an
+    :class:`InputError` that names it, the file and line, and the fix.
+    """
+    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    kind = _check_prompt_path(path, key)
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            line = line.rstrip("\n")
-            if not line.strip():
-                continue
-            if path.endswith(".txt"):
-                rows.append({"prompt": line.strip()})
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one object") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-                raise ValueError(
-                    f"{path}:{lineno}: row has no string \"prompt\" field (got {line[:80]!r}); "
-                    f"each line must look like {{\"prompt\": \"two red circles\"}}"
-                )
-            rows.append(row)
+    for lineno, line in enumerate(_read_text(path, key).split("\n"), start=1):
+        if not line.strip():
+            continue
+        if kind == "txt":
+            rows.append({prompt_key: line.strip()})
+        else:
+            rows.append(_parse_row(line, lineno, path, prompt_key, key))
+    if not rows:
+        raise InputError(f"{_at(key)}{path} holds no prompts (it is empty or only blank lines); add one prompt "
+                         "per line.")
     return rows
 
 
-def read_prompts(path: str | os.PathLike) -> list[str]:
-    """Read just the prompt strings of a prompt file."""
-    return [row["prompt"] for row in read_prompt_rows(path)]
+def read_prompts(path: str | os.PathLike, *, prompt_key: str = "prompt", key: str | None = None) -> list[str]:
+    """Read just the prompt strings of a prompt file (see :func:`read_prompt_rows`)."""
+    return [row[prompt_key] for row in read_prompt_rows(path, prompt_key=prompt_key, key=key)]
 
 
 def check_prompts(prompts: Sequence[str]) -> None:

@@ -1,46 +1,38 @@
-"""From a validated config to a finished run: Ray start-up, prompts, mode dispatch, shutdown."""
+"""From a validated config to a finished run: input checks, prompts, Ray start-up, mode dispatch, shutdown.
+
+:meth:`TaskRunner.run` checks every file and folder the config names
+(:func:`omnirl_async.preflight.check_inputs`) and reads the training prompts
+before Ray starts, so bad input fails in the driver within a second with one
+:class:`~omnirl_async.preflight.InputError` instead of inside every actor.
+"""
 
 from __future__ import annotations
 
 import os
 
-from omnirl_async.data.prompts import heldout_prompts, read_prompt_rows, train_prompts
+from omnirl_async.data.prompts import heldout_prompts, prompt_file_list, read_prompts, train_prompts
 
 __all__ = ["TaskRunner", "load_train_prompts", "load_val_prompts", "read_prompt_files", "init_ray"]
 
 
 def load_train_prompts(data_cfg) -> list[str]:
+    """Training prompts: ``data.train_files`` or the embedded shapes training prompts."""
     files = data_cfg.train_files
     if files is None:
         return train_prompts()
-    files = [files] if isinstance(files, str) else list(files)
-    return read_prompt_files(files, data_cfg.prompt_key, "data.train_files")
+    return read_prompt_files(prompt_file_list(files, key="data.train_files"), data_cfg.prompt_key,
+                             "data.train_files")
 
 
 def read_prompt_files(files: list[str], prompt_key: str, what: str) -> list[str]:
-    """Prompts from .jsonl (field ``prompt_key``) or .txt files; a row without it is an error naming file:line."""
+    """Prompts from .jsonl (field ``prompt_key``) or .txt files, in order.
+
+    ``what`` is the config key that named the files; any problem is an
+    :class:`~omnirl_async.preflight.InputError` naming it, the file and line.
+    """
     prompts: list[str] = []
     for f in files:
-        path = os.path.expanduser(f)
-        if prompt_key == "prompt" or path.endswith(".txt"):
-            prompts.extend(row["prompt"] for row in read_prompt_rows(path))
-            continue
-        import json
-
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{lineno}: not valid JSON ({err.msg}).") from None
-                if not isinstance(row, dict) or not isinstance(row.get(prompt_key), str):
-                    raise ValueError(f"{path}:{lineno}: row has no string {prompt_key!r} field "
-                                     f"(`data.prompt_key` = {prompt_key!r}).")
-                prompts.append(row[prompt_key])
-    if not prompts:
-        raise ValueError(f"`{what}` = {files!r} holds no prompts.")
+        prompts.extend(read_prompts(f, prompt_key=prompt_key, key=what))
     return prompts
 
 
@@ -50,8 +42,8 @@ def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
     if files is None:
         prompts = heldout_prompts()
     else:
-        files = [files] if isinstance(files, str) else list(files)
-        prompts = read_prompt_files(files, data_cfg.prompt_key, "data.val_files")
+        prompts = read_prompt_files(prompt_file_list(files, key="data.val_files"), data_cfg.prompt_key,
+                                    "data.val_files")
     return prompts[:limit] if limit else prompts
 
 
@@ -93,11 +85,15 @@ class TaskRunner:
         self.printer = printer
 
     def run(self) -> dict:
+        from omnirl_async.preflight import check_inputs
+
+        check_inputs(self.config)  # raises InputError before anything starts
+        prompts = load_train_prompts(self.config.data)
+
         import ray
 
         started = init_ray(self.config)
         try:
-            prompts = load_train_prompts(self.config.data)
             mode = self.config.trainer.v1.trainer_mode
             if mode == "sync":
                 from omnirl_async.trainer.sync import SyncTrainer as cls

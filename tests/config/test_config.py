@@ -108,3 +108,16 @@ def test_cli_reports_config_errors_with_exit_code_2(capsys):
     assert "`actor_rollout_ref.rollout.n`" in capsys.readouterr().err
     assert cli_main(["config", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"]) == 0
     assert "train_batch_size: 4" in capsys.readouterr().out
+
+
+def test_unknown_key_without_plus_names_it_and_suggests_the_near_miss():
+    with pytest.raises(ConfigError) as err:
+        load_config(["actor_rollout_ref.rollout.pipeline.hieght=64"])
+    msg = str(err.value)
+    assert msg.startswith("`actor_rollout_ref.rollout.pipeline.hieght` is not a known config key. Did you mean one "
+                          "of ['height']?"), msg
+
+
+def test_cli_prints_one_line_without_traceback(capsys):
+    assert cli_main(["config", "actor_rollout_ref.rollout.n=-3"]) == 2
+    assert capsys.readouterr().err == "omnirl-async: `actor_rollout_ref.rollout.n` = -3 must be > 0.\n"

@@ -74,3 +74,46 @@ def test_file_errors_name_file_and_line(tmp_path):
         read_prompts(tmp_path / "missing.jsonl")
     with pytest.raises(ValueError, match="newline"):
         write_prompt_file(tmp_path / "x.txt", ["a\nb"])
+
+
+def test_loader_errors_name_the_key_file_line_and_fix(tmp_path):
+    from omnirl_async.preflight import InputError
+
+    key = "data.val_files"
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"a red circle\n\xffoops\n")
+    with pytest.raises(InputError) as e:
+        read_prompts(bad, key=key)
+    assert str(e.value) == (f"`{key}`: {bad}:2: byte 0xff at offset 13 (column 1) is not valid UTF-8 (invalid start "
+                            "byte); save the file as UTF-8.")
+    with pytest.raises(InputError) as e:
+        read_prompts(tmp_path, key=key)
+    assert str(e.value).startswith(f"`{key}`: {tmp_path} is a directory, not a prompt file (it holds bad.txt)")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(InputError, match="holds no prompts"):
+        read_prompts(empty)
+    (tmp_path / "x.json").write_text('[{"prompt": "a red circle"}]')
+    with pytest.raises(InputError, match="has the extension '.json', which is not a prompt file format"):
+        read_prompts(tmp_path / "x.json")
+    assert isinstance(e.value, ValueError)
+
+
+def test_custom_prompt_key_bom_and_crlf(tmp_path):
+    path = tmp_path / "rows.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "a red circle"}\r\n\r\n{"text": "a blue square", "id": 2}\r\n')
+    assert read_prompts(path, prompt_key="text") == ["a red circle", "a blue square"]
+    assert read_prompt_rows(path, prompt_key="text")[1]["id"] == 2
+    with pytest.raises(ValueError, match=r':1: row has no string "prompt" field'):
+        read_prompts(path)
+
+
+def test_prompt_file_list():
+    from omnirl_async.data.prompts import prompt_file_list
+    from omnirl_async.preflight import InputError
+
+    assert prompt_file_list("a.jsonl") == ["a.jsonl"]
+    assert prompt_file_list(["a.jsonl", "b.txt"]) == ["a.jsonl", "b.txt"]
+    for bad in (5, [], ["a.jsonl", 3], ""):
+        with pytest.raises(InputError, match="`data.train_files` = "):
+            prompt_file_list(bad)
