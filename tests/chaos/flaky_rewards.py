@@ -53,3 +53,31 @@ def slow_every_third(images, prompts, sleep_s: float = 3.0, **kwargs):
 
 def always_fails(images, prompts, **kwargs):
     raise RuntimeError("the judge model is not loaded")
+
+
+def mixed_every_third(images, prompts, sleep_s: float = 3.0, **kwargs):
+    """Every third call fails, in turn: raises, NaN, wrong shape, too slow."""
+    with _lock:
+        k = next(_calls)
+    score = _brightness(images)
+    if k % 3:
+        return score
+    mode = (k // 3) % 4
+    if mode == 0:
+        raise ConnectionError("scorer service refused the connection")
+    if mode == 1:
+        return np.full_like(score, np.nan)
+    if mode == 2:
+        return score[:-1]
+    time.sleep(sleep_s)
+    return score
+
+
+def hangs(images, prompts, sleep_s: float = 60.0, **kwargs):
+    time.sleep(sleep_s)
+    return _brightness(images)
+
+
+def sleepy(images, prompts, sleep_s: float = 0.3, **kwargs):
+    time.sleep(sleep_s)
+    return _brightness(images)

@@ -46,9 +46,10 @@ def _trained_prompts(tmp_path: Path) -> Counter:
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_failed_rewards_are_counted_and_never_stall_training(ray_cluster, small_overrides, tmp_path, mode):
+def test_failed_rewards_and_a_ragged_epoch_never_stall_training(ray_cluster, small_overrides, tmp_path, mode):
+    """9 prompts, batch 2, a reward failing every third call: the job ends, nothing trained twice or lost."""
     printed: list[str] = []
-    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], f"reward.custom_reward_function.path={FLAKY}",
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:9], f"reward.custom_reward_function.path={FLAKY}",
                "reward.custom_reward_function.name=raises_every_third", "trainer.wait_timeout_s=60")
     t0 = time.monotonic()
     summary = TaskRunner(cfg, printer=printed.append).run()
@@ -62,10 +63,15 @@ def test_failed_rewards_are_counted_and_never_stall_training(ray_cluster, small_
     # every prompt was trained once, or failed; nothing trained twice
     trained = _trained_prompts(tmp_path)
     assert max(trained.values()) == 1
-    assert sum(trained.values()) == 8 - summary["reward_failed"] // 2
-    assert summary["global_step"] == 4  # 8 prompts / batch 2: failed groups make batches smaller, not later
+    assert sum(trained.values()) == 9 - summary["reward_failed"] // 2
+    # 9 prompts / batch 2 = 5 steps: failed groups make batches smaller, not later; the last batch has 1 prompt
+    assert summary["global_step"] == 5
+    steps, _ = read_trained_log(tmp_path / "ckpt")
+    assert all(sum(g[5] for g in steps[s]["groups"]) <= 4 for s in steps)
+    assert (tmp_path / "ckpt" / "global_step_5").is_dir()  # the end of the run is checkpointed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_failed_groups_are_generated_again_with_drop_incomplete_groups(ray_cluster, small_overrides, tmp_path,
                                                                         mode):
@@ -77,19 +83,7 @@ def test_failed_groups_are_generated_again_with_drop_incomplete_groups(ray_clust
     assert _trained_prompts(tmp_path) == Counter(PROMPTS[:6])  # refilled: every prompt trained exactly once
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_ragged_epoch_trains_every_prompt_and_ends(ray_cluster, small_overrides, tmp_path, mode):
-    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:5], "data.train_batch_size=2", "trainer.wait_timeout_s=60")
-    t0 = time.monotonic()
-    summary = TaskRunner(cfg, printer=lambda *a: None).run()
-    assert time.monotonic() - t0 < 60
-    assert _trained_prompts(tmp_path) == Counter(PROMPTS[:5])
-    steps, _ = read_trained_log(tmp_path / "ckpt")
-    assert [sum(g[5] for g in steps[s]["groups"]) for s in sorted(steps)] == [4, 4, 2]  # last batch smaller
-    assert summary["global_step"] == 3
-    assert (tmp_path / "ckpt" / "global_step_3").is_dir()  # the end of the run is checkpointed
-
-
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_reward_that_always_fails_stops_the_job_with_its_reason(ray_cluster, small_overrides, tmp_path, mode):
     cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS, f"reward.custom_reward_function.path={FLAKY}",
@@ -105,6 +99,7 @@ def test_a_reward_that_always_fails_stops_the_job_with_its_reason(ray_cluster, s
     assert "raised: " in msg and "RuntimeError: the judge model is not loaded" in msg
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_publishes_once_and_the_next_step_is_bit_exact(ray_cluster, small_overrides, tmp_path, mode):
     """An uninterrupted 3-step run vs. a run resumed from its step-2 checkpoint: step 3 is the same."""
@@ -136,3 +131,31 @@ def test_resume_publishes_once_and_the_next_step_is_bit_exact(ray_cluster, small
     lora_a = load_file(str(a / "ckpt" / "global_step_3" / "lora" / "adapter_model.safetensors"))
     lora_b = load_file(str(b / "ckpt" / "global_step_3" / "lora" / "adapter_model.safetensors"))
     assert all(bool((lora_a[k] == lora_b[k]).all()) for k in lora_a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hanging_reward_hits_the_wait_timeout_with_a_diagnosis(ray_cluster, small_overrides, tmp_path, mode):
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:4], f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=hangs", "trainer.wait_timeout_s=4")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        TaskRunner(cfg, printer=lambda *a: None).run()
+    assert time.monotonic() - t0 < 40
+    msg = str(err.value)
+    assert msg.startswith("step 1: ")
+    assert "`trainer.wait_timeout_s` = 4 s" in msg and "`reward.timeout_s`" in msg
+    if mode == "separate_async":
+        assert "for the prompt groups of tickets below 2. dispatcher: tickets issued " in msg
+        assert "leases outstanding " in msg and "failed samples by kind none" in msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_inline_reward_timeout_fails_the_slow_groups(ray_cluster, small_overrides, tmp_path, mode):
+    """`reward.timeout_s` bounds inline scoring too: a call past it fails its group with kind `timeout`."""
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:6], f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=slow_every_third", "reward.timeout_s=1",
+               "trainer.wait_timeout_s=60")
+    summary = TaskRunner(cfg, printer=lambda *a: None).run()
+    assert summary["reward_failed_kinds"] == {"timeout": summary["reward_failed"]} and summary["reward_failed"] > 0
