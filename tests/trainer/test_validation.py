@@ -64,7 +64,13 @@ def test_eval_seeds_do_not_depend_on_batching():
     a = evaluate_policy(policy, reward, prompts, val, seed=5, batch_size=6)
     b = evaluate_policy(policy, reward, prompts, val, seed=5, batch_size=4)
     assert a.prompts == b.prompts == [p for p in prompts for _ in range(2)]
-    np.testing.assert_array_equal(a.images, b.images)
-    assert not np.array_equal(a.images[0], a.images[1])  # two images of one prompt differ
+    _same_noise(a.images, b.images)
+    assert np.abs(a.images[0].astype(int) - a.images[1]).max() > 50  # two images of one prompt differ
     c = evaluate_policy(policy, reward, prompts[1:], val, seed=5 + 1009, batch_size=6)
-    np.testing.assert_array_equal(c.images, a.images[2:])  # image j of prompt i: seed + 1009 i + j
+    _same_noise(c.images, a.images[2:])  # image j of prompt i: seed + 1009 i + j
+
+
+def _same_noise(x: np.ndarray, y: np.ndarray) -> None:
+    """Images from the same noise: equal up to float rounding (CPU kernels round differently per batch size)."""
+    diff = np.abs(x.astype(np.int16) - y.astype(np.int16))
+    assert diff.max() <= 1 and (diff > 0).mean() < 0.01
