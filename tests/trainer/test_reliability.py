@@ -159,3 +159,15 @@ def test_inline_reward_timeout_fails_the_slow_groups(ray_cluster, small_override
                "trainer.wait_timeout_s=60")
     summary = TaskRunner(cfg, printer=lambda *a: None).run()
     assert summary["reward_failed_kinds"] == {"timeout": summary["reward_failed"]} and summary["reward_failed"] > 0
+
+
+@pytest.mark.slow
+def test_drop_strategy_with_failed_rewards_and_a_ragged_epoch_ends(ray_cluster, small_overrides, tmp_path):
+    """Under `drop` the learner takes B groups' worth of fresh samples, or what is left at the end of the run."""
+    cfg = _cfg(small_overrides, tmp_path, "separate_async", PROMPTS[:9], f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=raises_every_third", "trainer.wait_timeout_s=60",
+               "trainer.v1.sampler.max_off_policy_strategy=drop", "trainer.v1.sampler.max_off_policy_threshold=4")
+    summary = TaskRunner(cfg, printer=lambda *a: None).run()
+    trained = _trained_prompts(tmp_path)
+    assert max(trained.values()) == 1 and summary["dropped_samples"] == 0
+    assert sum(trained.values()) == 9 - summary["reward_failed"] // 2 and summary["reward_failed"] > 0
