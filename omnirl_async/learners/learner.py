@@ -9,17 +9,34 @@ is a chain of steps, each overridable and testable alone (RLlib's template):
    behaviour log-probs), then rollout correction weights,
 3. :meth:`compute_losses` – per mini-batch / micro-batch / trained SDE step:
    velocity → SDE log-prob of the stored next latents → loss,
-4. :meth:`postprocess_gradients` – average across learners, clip the norm,
+4. :meth:`average_gradients` – average across learners; :meth:`find_nonfinite` –
+   the step's loss and gradients must be finite (see below);
+   :meth:`postprocess_gradients` – clip the norm,
 5. :meth:`apply_gradients` – optimizer and LR-scheduler step.
 
 With several learners (``learner.num_workers``), every rank receives the same
 full batch (advantages need every group), takes its slice of each mini-batch,
 and averages gradients with ``torch.distributed.all_reduce`` – DDP restricted
 to the trainable (LoRA) parameters, which is all that changes.
+
+Numerical faults are handled per **optimizer step** (one mini-batch of one
+epoch; an update makes ``ppo_epochs x mini-batches`` of them, counted in
+``actor/num_updates``). A step whose loss (any micro-batch) or any averaged
+gradient is NaN/inf is skipped: its gradients are dropped and the weights,
+optimizer moments and LR schedule stay as they were. The decision is taken
+after the gradient all-reduce and shared with one more tiny all-reduce, so
+every rank skips the same steps. Metrics: ``training/nonfinite_steps`` (skipped
+steps so far, kept in :meth:`Learner.get_state`) and ``training/skipped_nonfinite``
+(the fraction of this update's optimizer steps that were skipped: 1.0 or 0.0
+with one step per update). ``learner.max_consecutive_nonfinite`` skipped steps
+in a row (across updates; any applied step resets the run) raise
+:class:`NonFiniteError`. Skipped steps add nothing to the averaged ``actor/*``
+metrics.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Any
@@ -34,7 +51,9 @@ from omnirl_async.models.policy import FlowMatchPolicy, PromptEmbeds
 from omnirl_async.models.resolve import resolve_model_path
 from omnirl_async.models.sde import sde_step_with_logprob
 
-__all__ = ["Learner", "build_policy", "pick_device"]
+__all__ = ["Learner", "NonFiniteError", "build_policy", "pick_device"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -84,8 +103,26 @@ def _add_lora(policy: FlowMatchPolicy, model_cfg) -> None:
                     lora_dtype=model_cfg.lora_dtype)
 
 
+def _kind(x) -> str:
+    """``nan`` when ``x`` (a number or tensor known to be non-finite) holds a NaN, else ``inf``."""
+    return "nan" if bool(torch.isnan(torch.as_tensor(x)).any()) else "inf"
+
+
 def _embeds_from_fields(fields: dict[str, torch.Tensor]) -> PromptEmbeds:
     return PromptEmbeds.from_numpy({k[len("emb."):]: v for k, v in fields.items() if k.startswith("emb.")})
+
+
+class NonFiniteError(RuntimeError):
+    """``learner.max_consecutive_nonfinite`` optimizer steps in a row had a NaN/inf loss or gradient.
+
+    ``quantity`` names what was non-finite last (the loss, or the gradient of
+    which parameter), ``step`` is the learner update it happened in and
+    ``count`` the number of consecutive skipped optimizer steps.
+    """
+
+    def __init__(self, message: str, *, quantity: str = "", step: int = -1, count: int = 0):
+        super().__init__(message)
+        self.quantity, self.step, self.count = quantity, step, count
 
 
 class Learner:
@@ -102,12 +139,16 @@ class Learner:
         if not self.params:
             raise RuntimeError("the policy has no trainable parameters; set "
                                "`actor_rollout_ref.model.lora_rank` > 0 or 0 for full training.")
+        names = {id(p): n for n, p in self.policy.transformer.named_parameters()}
+        self.param_names = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)]
         self.optimizer = self.configure_optimizer()
         self.scheduler = self.configure_lr_scheduler()
         self.loss_fn = get_diffusion_loss_fn(self.actor_cfg.diffusion_loss.loss_mode)(
             self.actor_cfg.diffusion_loss, self.actor_cfg)
         self.adv_fn = get_diffusion_adv_estimator_fn(self.algo_cfg.adv_estimator)
         self.global_step = 0
+        self.nonfinite_steps = 0  # skipped optimizer steps so far
+        self.consecutive_nonfinite = 0  # skipped optimizer steps since the last applied one
         # the same on every rank: ranks must agree on mini-batch permutations and trained steps
         self.rng = torch.Generator().manual_seed(int(config.data.seed) * 1000 + 17)
 
@@ -199,8 +240,8 @@ class Learner:
             if self.world_size > 1 and dist.is_initialized():
                 # each row was computed by exactly one rank (its epoch-0 slice): a sum shares them all,
                 # so later epochs, whose slices differ, still find every row's old log-prob
-                dist.all_reduce(old, op=dist.ReduceOp.SUM)
-                dist.all_reduce(old_means, op=dist.ReduceOp.SUM)
+                old = self._all_reduce(old, dist.ReduceOp.SUM)
+                old_means = self._all_reduce(old_means, dist.ReduceOp.SUM)
             b["old_log_probs"], b["old_means"] = old, old_means
         rc = compute_rollout_correction(b["old_log_probs"], behaviour, None, self.algo_cfg.rollout_correction)
         b["is_weights"] = rc.weights  # IS weight x rejection keep-mask
@@ -231,9 +272,74 @@ class Learner:
         return sums
 
     # ---------------------------------------------------------------- 4.-5. grads
-    def postprocess_gradients(self) -> dict[str, float]:
+    def _distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_initialized()
+
+    def _all_reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        """``t`` reduced over ranks, on the device the backend needs (NCCL: the GPU), back on ``t``'s device."""
+        on = self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+        out = t.to(on)
+        dist.all_reduce(out, op=op)
+        return out.to(t.device)
+
+    def average_gradients(self) -> None:
         if dist.is_initialized():
             Group(self.rank, self.world_size).average_gradients(self.params)
+
+    def find_nonfinite(self, loss_fault: str | None = None) -> str | None:
+        """What is non-finite in this optimizer step (None: nothing), the same verdict on every rank.
+
+        Call after :meth:`average_gradients`: a NaN/inf gradient on any rank is
+        then in every rank's averaged gradient; a non-finite loss of one rank
+        (``loss_fault``) is shared by a max-reduce of a flag.
+        """
+        fault = loss_fault or self._nonfinite_gradient()
+        if self._distributed():
+            flag = self._all_reduce(torch.tensor([0.0 if fault is None else 1.0]), dist.ReduceOp.MAX)
+            if flag.item() > 0 and fault is None:
+                fault = "the loss on another learner rank"
+        return fault
+
+    def _nonfinite_gradient(self) -> str | None:
+        named = [(n, p.grad) for n, p in zip(self.param_names, self.params) if p.grad is not None]
+        if not named:
+            return None
+        finite = torch.stack([torch.isfinite(g).all() for _, g in named]).cpu()  # one device sync
+        if bool(finite.all()):
+            return None
+        name, grad = named[int((~finite).nonzero()[0])]
+        return f"the gradient of parameter `{name}` ({_kind(grad)})"
+
+    def skip_nonfinite_step(self, fault: str, where: str) -> None:
+        """Drop this step's gradients (weights and optimizer state untouched), count it, stop at the limit."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.nonfinite_steps += 1
+        self.consecutive_nonfinite += 1
+        limit = int(self.config.learner.max_consecutive_nonfinite)
+        if self.rank == 0:
+            logger.warning("skipped the optimizer step of %s: %s is non-finite (%d in a row; "
+                           "`learner.max_consecutive_nonfinite` = %d)", where, fault, self.consecutive_nonfinite, limit)
+        if self.consecutive_nonfinite >= limit:
+            raise NonFiniteError(self._nonfinite_message(fault, where, limit), quantity=fault,
+                                 step=self.global_step + 1, count=self.consecutive_nonfinite)
+
+    def _nonfinite_message(self, fault: str, where: str, limit: int) -> str:
+        a, dtype = self.actor_cfg, self.config.actor_rollout_ref.model.dtype
+        half = (f"; (4) half-precision overflow: `actor_rollout_ref.model.dtype` = {dtype} (try fp32, or bf16 "
+                "instead of fp16)") if dtype != "fp32" else ""
+        return (f"{self.consecutive_nonfinite} optimizer step(s) in a row had a non-finite (NaN/inf) loss or gradient "
+                f"(`learner.max_consecutive_nonfinite` = {limit}); training stops. Last: {fault} at {where}; "
+                f"{self.nonfinite_steps} non-finite step(s) skipped in total. Skipped steps changed nothing: the "
+                "weights and optimizer state are those of the last finite step. Likely causes and fixes: "
+                f"(1) the learning rate is too high: `actor_rollout_ref.actor.optim.lr` = {a.optim.lr}; lower it "
+                f"(e.g. 10x) or warm up (`actor_rollout_ref.actor.optim.lr_warmup_steps` = {a.optim.lr_warmup_steps}); "
+                "(2) rewards with huge or NaN/inf values: check the reward function and the `critic/rewards/*` "
+                f"metrics; (3) loose clipping: `actor_rollout_ref.actor.grad_clip` = {a.grad_clip} (<= 0 disables it), "
+                f"`actor_rollout_ref.actor.diffusion_loss.adv_clip_max` = {a.diffusion_loss.adv_clip_max}{half}. "
+                "Resume from the last checkpoint after the fix.")
+
+    def postprocess_gradients(self) -> dict[str, float]:
+        """Clip the norm of the (averaged, finite) gradients."""
         clip = self.actor_cfg.grad_clip
         grads = [p.grad for p in self.params if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(self.params, clip if clip > 0 else float("inf")) if grads else 0.0
@@ -244,6 +350,18 @@ class Learner:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"actor/lr": self.optimizer.param_groups[0]["lr"]}
+
+    def optimizer_step(self, loss_fault: str | None, where: str) -> dict[str, float] | None:
+        """Steps 4-5 for one mini-batch; None when the step was skipped as non-finite."""
+        self.average_gradients()
+        fault = self.find_nonfinite(loss_fault)
+        if fault is not None:
+            self.skip_nonfinite_step(fault, where)
+            return None
+        metrics = self.postprocess_gradients()
+        metrics.update(self.apply_gradients())
+        self.consecutive_nonfinite = 0
+        return metrics
 
     # ---------------------------------------------------------------- the chain
     def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
@@ -258,30 +376,48 @@ class Learner:
         self.compute_proximal_log_probs(b, self._micro_batches(perms[0]))
         t_old = time.perf_counter() - t0
         totals: dict[str, float] = {}
-        count = 0
-        updates = 0
-        for epoch in range(self.actor_cfg.ppo_epochs):
-            for micro_list in self._micro_batches(perms[epoch]):
+        count = updates = skipped = 0
+        epochs = self.actor_cfg.ppo_epochs
+        for epoch in range(epochs):
+            minibatches = self._micro_batches(perms[epoch])
+            for m, micro_list in enumerate(minibatches):
                 steps = sorted(torch.randperm(num_steps, generator=self.rng)[:n_train].tolist()) \
                     if n_train < num_steps else list(range(num_steps))
                 scale = 1.0 / (len(steps) * len(micro_list))
-                for rows in micro_list:
-                    sums = self.compute_losses(self._rows(b, rows), steps, scale)
-                    for k, v in sums.items():
-                        totals[k] = totals.get(k, 0.0) + v
-                    count += len(steps)
-                grads = self.postprocess_gradients()
-                grads.update(self.apply_gradients())
-                for k, v in grads.items():
-                    totals[k] = totals.get(k, 0.0) + v * len(steps) * len(micro_list)
+                step_sums, loss_fault = self._mini_batch_losses(b, micro_list, steps, scale)
+                where = (f"learner update {self.global_step + 1} (epoch {epoch + 1}/{epochs}, "
+                         f"mini-batch {m + 1}/{len(minibatches)})")
+                grads = self.optimizer_step(loss_fault, where)
+                if grads is None:
+                    skipped += 1
+                    continue
+                weight = len(steps) * len(micro_list)
+                for k, v in [*step_sums.items(), *((k, v * weight) for k, v in grads.items())]:
+                    totals[k] = totals.get(k, 0.0) + v
+                count += weight
                 updates += 1
         self.global_step += 1
         metrics = {k: v / max(count, 1) for k, v in totals.items()}
         metrics.update(b["_metrics"])
         metrics["actor/num_updates"] = float(updates)
+        metrics["training/nonfinite_steps"] = float(self.nonfinite_steps)
+        metrics["training/skipped_nonfinite"] = skipped / max(updates + skipped, 1)
         metrics["timing_s/old_log_prob"] = t_old
         metrics["timing_s/update_actor"] = time.perf_counter() - t0 - t_old
         return metrics
+
+    def _mini_batch_losses(self, b, micro_list, steps, scale) -> tuple[dict[str, float], str | None]:
+        """Forward/backward of one mini-batch's micro-batches: summed metrics and the first non-finite loss."""
+        sums: dict[str, float] = {}
+        fault = None
+        for i, rows in enumerate(micro_list):
+            part = self.compute_losses(self._rows(b, rows), steps, scale)
+            loss = part.get("actor/loss", 0.0)
+            if fault is None and not math.isfinite(loss):
+                fault = f"the loss `actor/loss` ({_kind(loss)}) of micro-batch {i + 1}/{len(micro_list)}"
+            for k, v in part.items():
+                sums[k] = sums.get(k, 0.0) + v
+        return sums, fault
 
     # ---------------------------------------------------------------- weights & state
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -293,7 +429,8 @@ class Learner:
     def get_state(self) -> dict[str, Any]:
         return {"weights": self.get_weights(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
-                "rng": self.rng.get_state(), "torch_rng": torch.get_rng_state()}
+                "rng": self.rng.get_state(), "torch_rng": torch.get_rng_state(),
+                "nonfinite": {"total": self.nonfinite_steps, "consecutive": self.consecutive_nonfinite}}
 
     def set_state(self, state: dict[str, Any]) -> None:
         if self.config.actor_rollout_ref.model.lora_rank > 0:
@@ -305,6 +442,9 @@ class Learner:
         self.global_step = int(state["global_step"])
         self.rng.set_state(state["rng"])
         torch.set_rng_state(state["torch_rng"])
+        nonfinite = state.get("nonfinite", {})  # absent in checkpoints written before the counter existed
+        self.nonfinite_steps = int(nonfinite.get("total", 0))
+        self.consecutive_nonfinite = int(nonfinite.get("consecutive", 0))
 
     def save_lora(self, folder) -> None:
         if self.config.actor_rollout_ref.model.lora_rank > 0:

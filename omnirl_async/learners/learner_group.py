@@ -6,24 +6,145 @@ calling process – unit tests need no cluster. With ``use_ray=True`` it starts
 group (gloo on CPU, NCCL on GPU) and average gradients of the trainable
 parameters, so N learners give the same update as one on the same batch.
 
-Remote failures come back as the original exception type (Ray re-raises the
-actor's error on ``ray.get``), with the rank added to the message.
+Every call to the actors is a bounded wait (``trainer.wait_timeout_s``):
+
+* a learner actor that died (crash, out-of-memory kill, lost node,
+  ``ray.kill``) becomes one :class:`LearnerDiedError` naming the rank, the call
+  and Ray's reason in one line – raised as soon as that rank's reply fails,
+  even while the other ranks still wait in a collective for it; the group is
+  then unusable and later calls fail at once;
+* no answer by the deadline becomes a :class:`TimeoutError` naming the call
+  and the ranks that did not answer;
+* an exception raised inside a learner method comes back as Ray raises it
+  (the original type), except :class:`~omnirl_async.learners.learner.NonFiniteError`,
+  which is re-raised as itself without the remote traceback.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import numpy as np
 import torch
 
-from omnirl_async.learners.learner import Learner
+from omnirl_async.learners.learner import Learner, NonFiniteError
 from omnirl_async.models.data_parallel import free_port
 from omnirl_async.metrics import reduce_metrics
 
-__all__ = ["LearnerGroup", "LearnerWorker"]
+__all__ = ["LearnerDiedError", "LearnerGroup", "LearnerWorker", "wait_for_learners"]
+
+#: after one rank raised, how long to look for a rank that died (its death, not the survivor's
+#: broken collective, is the cause to report)
+_DEATH_GRACE_S = 5.0
+#: longest a graceful ``stop`` waits before the actors are killed
+_STOP_GRACE_S = 30.0
+
+
+class LearnerDiedError(RuntimeError):
+    """A learner actor died; training cannot continue with that rank missing.
+
+    ``rank`` is the learner that died, ``call`` the group method it was
+    serving (``update``, ``publish``, ...), ``cause`` Ray's reason in one line.
+    The trainer knows the checkpoint to resume from and adds it with
+    :meth:`extended`.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, call: str = "", cause: str = ""):
+        super().__init__(message)
+        self.rank, self.call, self.cause = rank, call, cause
+
+    def extended(self, line: str) -> LearnerDiedError:
+        """A copy with ``line`` appended to the message and the same rank, call and cause."""
+        return type(self)(f"{self}\n{line}", rank=self.rank, call=self.call, cause=self.cause)
+
+
+def _one_line(err: BaseException, limit: int = 400) -> str:
+    """``err``'s message on one line (Ray's are multi-line ``key: value`` lists), without a final period."""
+    text = ""
+    for part in filter(None, (line.strip() for line in str(err).splitlines())):
+        if text:
+            text += " " if text[-1] in ".:;" else "; "
+        text += part
+    text = text.rstrip(".")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _died(rank: int, call: str, err: BaseException) -> LearnerDiedError:
+    cause = f"{type(err).__name__}: {_one_line(err)}"
+    return LearnerDiedError(
+        f"learner rank {rank} died during `{call}`; training cannot continue without it. Cause: {cause}. "
+        "Likely causes: out of host or GPU memory (lower `actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu` "
+        "or `data.train_batch_size`), a crash in native code, a lost node, or the actor was killed; the worker's "
+        "log (under /tmp/ray/session_latest/logs) has the details.", rank=rank, call=call, cause=cause)
+
+
+def _timed_out(call: str, ranks: list[int], timeout_s: float) -> TimeoutError:
+    return TimeoutError(
+        f"learner call `{call}` got no answer from rank(s) {ranks} within `trainer.wait_timeout_s` = "
+        f"{timeout_s:g} s. Likely causes: the call needs longer (a large batch or model: raise "
+        "`trainer.wait_timeout_s`); a rank waits in a collective for another that hangs or failed; the "
+        "cluster cannot place the learners (`learner.num_cpus_per_worker` / `learner.num_gpus_per_worker` "
+        "above the free resources, see `ray status`); a hung worker (`py-spy dump --pid <pid>`; worker logs "
+        "under /tmp/ray/session_latest/logs).")
+
+
+def _result(ref, rank: int, call: str, others: dict) -> Any:
+    """``ref``'s value (it is ready); a dead actor → LearnerDiedError. ``others``: still pending, ref → rank."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return ray.get(ref)
+    except RayTaskError as err:  # the learner is alive and its method raised (checked first: the error
+        # of a dead *other* actor it called is also a RayActorError)
+        _raise_if_one_died(others, call)
+        if isinstance(err.cause, NonFiniteError):
+            raise err.cause from None
+        raise
+    except RayActorError as err:
+        raise _died(rank, call, err) from None
+
+
+def _raise_if_one_died(pending: dict, call: str) -> None:
+    """A rank that died is the root cause when a survivor's collective broke with it: report that rank."""
+    import ray
+    from ray.exceptions import RayActorError, RayTaskError
+
+    if not pending:
+        return
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=_DEATH_GRACE_S)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except RayTaskError:
+            continue
+        except RayActorError as err:
+            raise _died(pending[ref], call, err) from None
+
+
+def wait_for_learners(refs: dict[int, Any], call: str, timeout_s: float) -> dict[int, Any]:
+    """The replies of ``refs`` (rank → ObjectRef) by rank, each rank checked as soon as it answers.
+
+    A rank that died raises :class:`LearnerDiedError` at once (the others may
+    be blocked in a collective waiting for it); no reply from some rank within
+    ``timeout_s`` seconds raises :class:`TimeoutError`.
+    """
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    pending = {ref: rank for rank, ref in refs.items()}
+    results: dict[int, Any] = {}
+    while pending:
+        ready, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise _timed_out(call, sorted(pending.values()), timeout_s)
+        for ref in ready:
+            rank = pending.pop(ref)
+            results[rank] = _result(ref, rank, call, pending)
+    return results
 
 
 class LearnerWorker:
@@ -92,38 +213,57 @@ class LearnerGroup:
         lcfg = config.learner
         self.num_workers = lcfg.num_workers
         self.use_ray = use_ray
+        self.timeout_s = float(config.trainer.wait_timeout_s)
+        self.dead: LearnerDiedError | None = None  # set once a rank died: the group is unusable
+        self.hung = False  # a call timed out: its ranks may still be busy
+        self.actors: list = []
+        self.local: LearnerWorker | None = None
         if not use_ray:
             if self.num_workers != 1:
                 raise ValueError(f"`learner.num_workers` = {self.num_workers} needs Ray; the in-process learner "
                                  "group has exactly one learner.")
             self.local = LearnerWorker(config, 0, 1, num_threads)
             self.local.setup(None)
-            self.actors = []
             return
         import ray
 
         cls = ray.remote(num_cpus=lcfg.num_cpus_per_worker, num_gpus=lcfg.num_gpus_per_worker)(LearnerWorker)
         self.actors = [cls.options(name=None).remote(config, r, self.num_workers, num_threads)
                        for r in range(self.num_workers)]
-        master = ray.get(self.actors[0].address.remote()) if self.num_workers > 1 else None
-        ray.get([a.setup.remote(master) for a in self.actors])
-        self.local = None
+        try:
+            master = self._rank0("address") if self.num_workers > 1 else None
+            self._all("setup", master)
+        except BaseException:
+            self._kill()
+            raise
 
     # ------------------------------------------------------------------ calls
+    def _call(self, method: str, ranks: list[int], *args) -> list:
+        """``method(*args)`` on the actors of ``ranks``, bounded by ``trainer.wait_timeout_s``."""
+        if self.dead is not None:
+            raise LearnerDiedError(f"`{method}` cannot run: learner rank {self.dead.rank} died earlier, during "
+                                   f"`{self.dead.call}` ({self.dead.cause}).", rank=self.dead.rank,
+                                   call=self.dead.call, cause=self.dead.cause) from None
+        refs = {r: getattr(self.actors[r], method).remote(*args) for r in ranks}
+        try:
+            results = wait_for_learners(refs, method, self.timeout_s)
+        except LearnerDiedError as err:
+            self.dead = err
+            raise
+        except TimeoutError:
+            self.hung = True
+            raise
+        return [results[r] for r in ranks]
+
     def _all(self, method: str, *args) -> list:
         if self.local is not None:
             return [getattr(self.local, method)(*args)]
-        import ray
-
-        refs = [getattr(a, method).remote(*args) for a in self.actors]
-        return ray.get(refs)
+        return self._call(method, list(range(len(self.actors))), *args)
 
     def _rank0(self, method: str, *args):
         if self.local is not None:
             return getattr(self.local, method)(*args)
-        import ray
-
-        return ray.get(getattr(self.actors[0], method).remote(*args))
+        return self._call(method, [0], *args)[0]
 
     def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
         if self.local is None:
@@ -153,14 +293,23 @@ class LearnerGroup:
         return self._all("assert_healthy")
 
     def stop(self) -> None:
+        """Leave the process group gracefully when the group is healthy, then kill the actors; never raises
+        for a dead or hung learner (it is being removed anyway)."""
         if self.actors:
             import ray
 
             try:
-                ray.get([a.stop.remote() for a in self.actors], timeout=30)
+                if self.dead is None and not self.hung:
+                    refs = [a.stop.remote() for a in self.actors]
+                    ray.wait(refs, num_returns=len(refs), timeout=min(_STOP_GRACE_S, self.timeout_s))
             finally:
-                for a in self.actors:
-                    ray.kill(a)
-            self.actors = []
+                self._kill()
         elif self.local is not None:
             self.local.stop()
+
+    def _kill(self) -> None:
+        import ray
+
+        for a in self.actors:
+            ray.kill(a)
+        self.actors = []

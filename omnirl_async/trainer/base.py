@@ -168,14 +168,16 @@ class BaseTrainer:
     # ------------------------------------------------------------------ run (template)
     def fit(self) -> dict:
         """Run the mode's loop; a learner that died is reported once, with the checkpoint to resume from."""
-        try:
-            from omnirl_async.learners.learner_group import LearnerDiedError
-        except ImportError:  # pragma: no cover - older learner group
-            LearnerDiedError = ()  # noqa: N806
+        from omnirl_async.learners.learner import NonFiniteError
+        from omnirl_async.learners.learner_group import LearnerDiedError
+
         try:
             return self.run_loop()
         except LearnerDiedError as err:
-            raise type(err)(f"{err}\n{self.last_checkpoint_text()}") from None
+            raise err.extended(self.last_checkpoint_text()) from None
+        except NonFiniteError as err:
+            raise NonFiniteError(f"{err}\n{self.last_checkpoint_text()}", quantity=err.quantity, step=err.step,
+                                 count=err.count) from None
 
     def run_loop(self) -> dict:
         raise NotImplementedError

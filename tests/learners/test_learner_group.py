@@ -1,16 +1,21 @@
-"""LearnerGroup: 2 learners under gloo give the update of 1; bypass equals decoupled at lag 0."""
+"""LearnerGroup: 2 learners under gloo give the update of 1; bypass equals decoupled at lag 0; non-finite
+steps are skipped on every rank alike; a dead learner or a silent one is one clear error, raised at once."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import numpy as np
 import pytest
+import ray
 import torch
 
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.rollout_worker import RolloutWorker
 from omnirl_async.config import load_config
 from omnirl_async.learners.learner import Learner
-from omnirl_async.learners.learner_group import LearnerGroup
+from omnirl_async.learners.learner_group import LearnerDiedError, LearnerGroup, wait_for_learners
 
 PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
 
@@ -58,3 +63,134 @@ def test_bypass_equals_decoupled_when_lag_is_zero(small_overrides, batch):
         weights[bypass] = learner.get_weights()
     for k in weights[False]:
         torch.testing.assert_close(weights[True][k], weights[False][k], rtol=0, atol=1e-6)
+
+
+# ---------------------------------------------------------------------- bounded waits and dead learners
+@pytest.fixture(scope="module")
+def sleepers(ray_cluster):
+    """Two stand-in actors (rank 0, rank 1) that answer after a given time: cheap to start and to kill."""
+    @ray_cluster.remote(num_cpus=0)
+    class Sleeper:
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    actors = [Sleeper.remote() for _ in range(2)]
+    yield actors
+    for a in actors:
+        ray_cluster.kill(a)
+
+
+def test_wait_for_learners_returns_replies_by_rank(sleepers):
+    refs = {0: sleepers[0].nap.remote(0.2), 1: sleepers[1].nap.remote(0.0)}
+    assert wait_for_learners(refs, "update", 30) == {0: 0.2, 1: 0.0}
+
+
+def test_a_silent_rank_is_a_timeout_naming_the_call_and_rank(sleepers):
+    refs = {0: sleepers[0].nap.remote(0.0), 1: sleepers[1].nap.remote(3.0)}
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as info:
+        wait_for_learners(refs, "publish", 0.5)
+    assert time.monotonic() - t0 < 2.5
+    msg = str(info.value)
+    assert "`publish`" in msg and "rank(s) [1]" in msg and "`trainer.wait_timeout_s` = 0.5" in msg
+    ray.get(refs[1])  # let the nap end before the next test uses the actor
+
+
+def test_a_dead_rank_is_reported_at_once_while_another_still_works(ray_cluster):
+    @ray_cluster.remote(num_cpus=0)
+    class Sleeper:
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    alive, doomed = Sleeper.remote(), Sleeper.remote()
+    ray.get([alive.nap.remote(0), doomed.nap.remote(0)])
+    ray.kill(doomed)
+    t0 = time.monotonic()
+    with pytest.raises(LearnerDiedError) as info:
+        wait_for_learners({0: alive.nap.remote(20.0), 1: doomed.nap.remote(0.0)}, "get_state", 60)
+    assert time.monotonic() - t0 < 10
+    err = info.value
+    assert (err.rank, err.call) == (1, "get_state") and "ActorDiedError" in err.cause and "\n" not in err.cause
+    assert str(err).startswith("learner rank 1 died during `get_state`")
+    assert err.__cause__ is None and err.__suppress_context__
+    extended = err.extended("the last complete checkpoint is X")
+    assert (extended.rank, extended.call) == (1, "get_state")
+    assert str(extended) == f"{err}\nthe last complete checkpoint is X"
+    ray.kill(alive)
+
+
+def test_a_death_is_reported_rather_than_the_collective_error_it_caused(ray_cluster):
+    """Rank 0 fails first (as a survivor's broken all-reduce does); rank 1's death just after is the cause shown."""
+    @ray_cluster.remote(num_cpus=0)
+    class Peer:
+        def fail_after(self, seconds: float) -> None:
+            time.sleep(seconds)
+            raise RuntimeError("Connection closed by peer")
+
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    survivor, doomed = Peer.remote(), Peer.remote()
+    ray.get([survivor.nap.remote(0), doomed.nap.remote(0)])
+    refs = {0: survivor.fail_after.remote(0.2), 1: doomed.nap.remote(30.0)}
+    killer = threading.Timer(1.0, ray.kill, args=(doomed,))
+    killer.start()
+    try:
+        with pytest.raises(LearnerDiedError) as info:
+            wait_for_learners(refs, "update", 60)
+    finally:
+        killer.join()
+        ray.kill(survivor)
+    assert (info.value.rank, info.value.call) == (1, "update")
+
+
+@pytest.fixture(scope="module")
+def two_learners(ray_cluster, small_overrides):
+    """2 gloo learners, one mini-batch per update split by rank (rank 0: group 0, rank 1: group 1)."""
+    cfg = load_config(small_overrides + ["learner.num_workers=2", "actor_rollout_ref.actor.shuffle=false",
+                                         "algorithm.global_std=false", "trainer.wait_timeout_s=120"])
+    group = LearnerGroup(cfg, use_ray=True, num_threads=1)
+    yield group
+    group.stop()
+
+
+def test_two_learners_skip_the_same_nonfinite_step(two_learners, batch):
+    fields, gids = batch
+    before = two_learners._all("get_weights")
+    rewards = np.array(fields["rewards"], copy=True)
+    rewards[4:] = np.nan  # only rank 1's rows have a NaN loss; rank 0 sees NaN only in the averaged gradient
+    m = two_learners.update({**fields, "rewards": rewards}, gids)
+    # metrics are rank means: 1.0 means both ranks skipped
+    assert m["training/skipped_nonfinite"] == 1.0 and m["training/nonfinite_steps"] == 1.0
+    after = two_learners._all("get_weights")
+    for rank in (0, 1):
+        for k in before[rank]:
+            np.testing.assert_array_equal(after[rank][k], before[rank][k], err_msg=f"rank {rank} {k}")
+    m = two_learners.update(fields, gids)  # a finite step: both apply it and stay identical
+    assert m["training/skipped_nonfinite"] == 0.0 and m["training/nonfinite_steps"] == 1.0
+    w0, w1 = two_learners._all("get_weights")
+    assert any(not np.array_equal(w0[k], before[0][k]) for k in w0)
+    for k in w0:
+        np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
+
+
+def test_a_killed_learner_is_one_clear_error(two_learners, batch):
+    """Runs last on the shared group: rank 1 dies, `update` names it at once though rank 0 waits in gloo."""
+    fields, gids = batch
+    ray.kill(two_learners.actors[1])
+    t0 = time.monotonic()
+    with pytest.raises(LearnerDiedError) as info:
+        two_learners.update(fields, gids)
+    assert time.monotonic() - t0 < 30  # far below `trainer.wait_timeout_s` = 120
+    err = info.value
+    assert (err.rank, err.call) == (1, "update")
+    assert str(err).startswith("learner rank 1 died during `update`") and "ActorDiedError" in str(err)
+    assert err.__cause__ is None and err.__suppress_context__
+    with pytest.raises(LearnerDiedError, match="rank 1 died earlier, during `update`"):
+        two_learners.get_weights()  # the group is unusable: fail at once, not after a timeout
+    t0 = time.monotonic()
+    two_learners.stop()  # kills rank 0, which is stuck in the collective, without waiting for it
+    assert time.monotonic() - t0 < 10

@@ -171,3 +171,37 @@ def test_drop_strategy_with_failed_rewards_and_a_ragged_epoch_ends(ray_cluster, 
     trained = _trained_prompts(tmp_path)
     assert max(trained.values()) == 1 and summary["dropped_samples"] == 0
     assert sum(trained.values()) == 9 - summary["reward_failed"] // 2 and summary["reward_failed"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_cluster, small_overrides, tmp_path,
+                                                                          mode):
+    import ray
+
+    from omnirl_async.learners.learner_group import LearnerDiedError
+    from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
+    from omnirl_async.trainer.sync import SyncTrainer
+
+    base = SyncTrainer if mode == "sync" else SeparateAsyncTrainer
+
+    class KillLearner(base):
+        def update_learner(self, batch):
+            if self.global_step == 2:
+                ray.kill(self.learners.actors[0], no_restart=True)
+            return super().update_learner(batch)
+
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], "trainer.save_freq=2")
+    trainer = KillLearner(cfg, PROMPTS[:8], printer=lambda *a: None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LearnerDiedError) as err:
+            trainer.fit()
+    finally:
+        trainer.stop()
+    assert time.monotonic() - t0 < 60
+    msg = str(err.value)
+    assert err.value.rank == 0 and err.value.call == "update" and err.value.__cause__ is None
+    assert msg.startswith("learner rank 0 died during `update`; training cannot continue without it. Cause: ")
+    assert msg.endswith(f"the last complete checkpoint is {tmp_path / 'ckpt' / 'global_step_2'}; rerun with "
+                        "`trainer.resume_mode=auto` to continue from it")
