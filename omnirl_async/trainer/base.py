@@ -46,7 +46,7 @@ class BaseTrainer:
         self.workers = [self.make_worker(i) for i in range(aro.rollout.num_workers)]
         self.learners = LearnerGroup(config, use_ray=True,
                                      num_threads=max(1, int(config.learner.num_cpus_per_worker)))
-        ray.get([w.assert_healthy.remote() for w in self.workers])
+        self._await_workers_started(float(config.trainer.wait_timeout_s))
         self.version = 0
         self.global_step = 0
         self.ckpt = CheckpointManager(config.trainer.default_local_dir,
@@ -60,6 +60,17 @@ class BaseTrainer:
         self.resumed_from: Path | None = None
         self.empty_steps = 0
         self.last_metrics: dict[str, float] = {}
+
+    def _await_workers_started(self, timeout_s: float) -> None:
+        import ray
+
+        try:
+            ray.get([w.assert_healthy.remote() for w in self.workers], timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"{len(self.workers)} rollout workers did not start within `trainer.wait_timeout_s` = "
+                               f"{timeout_s:g} s: Ray may lack the CPUs/GPUs they ask for "
+                               "(`actor_rollout_ref.rollout.num_cpus_per_worker`, `num_gpus_per_worker`; see "
+                               "`ray status`), or loading the model is slow") from None
 
     # ------------------------------------------------------------------ construction (overridable)
     def sampler_config(self):

@@ -96,3 +96,32 @@ def test_requeue_keeps_the_group_uid_and_takes_a_new_ticket():
     again = d.lease(1, global_step=1)[0]
     assert again.group_uid == first[1].group_uid and again.prompt == first[1].prompt
     assert again.ticket == 2 and again.seed != first[1].seed  # fresh noise for the retry
+
+
+def test_completed_untrained_groups_are_leased_again_when_their_samples_are_not_restored():
+    d = PromptDispatcher([f"p{i}" for i in range(6)], n=2, shuffle=False, total_epochs=1, batch_groups=2)
+    leases = d.lease(5, global_step=None)
+    d.complete([x.lease_id for x in leases])
+    d.mark_trained([0, 1])  # step 1 trained tickets 0 and 1; tickets 2-4 wait in the buffer
+    assert d.num_untrained() == 3
+    state = d.get_state()
+
+    kept = PromptDispatcher([f"p{i}" for i in range(6)], n=2, shuffle=False, total_epochs=1, batch_groups=2)
+    assert kept.set_state(state, samples_restored=True) == 0  # the buffer snapshot holds them
+    assert kept.tickets_done() == 5 and [x.prompt for x in kept.lease(5, global_step=None)] == ["p5"]
+
+    redo = PromptDispatcher([f"p{i}" for i in range(6)], n=2, shuffle=False, total_epochs=1, batch_groups=2)
+    assert redo.set_state(state, samples_restored=False) == 3
+    assert redo.tickets_done() == 2  # tickets 2-4 are not done any more
+    again = redo.lease(5, global_step=None)
+    assert [(x.prompt, x.ticket) for x in again] == [("p2", 2), ("p3", 3), ("p4", 4), ("p5", 5)]
+    assert [x.group_uid for x in again[:3]] == [x.group_uid for x in leases[2:]]
+    redo.complete([x.lease_id for x in again])
+    assert redo.tickets_done() == 6 and redo.exhausted()
+
+
+def test_settle_below_forgets_failed_and_trained_tickets():
+    d = PromptDispatcher([f"p{i}" for i in range(4)], n=1, shuffle=False, total_epochs=1, batch_groups=2)
+    d.complete([x.lease_id for x in d.lease(4, global_step=None)])
+    d.settle_below(2)
+    assert d.num_untrained() == 2 and [p["ticket"] for p in d.get_state()["untrained"]] == [2, 3]
