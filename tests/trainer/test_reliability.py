@@ -205,3 +205,20 @@ def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_c
     assert msg.startswith("learner rank 0 died during `update`; training cannot continue without it. Cause: ")
     assert msg.endswith(f"the last complete checkpoint is {tmp_path / 'ckpt' / 'global_step_2'}; rerun with "
                         "`trainer.resume_mode=auto` to continue from it")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_without_a_buffer_snapshot_generates_the_untrained_groups_again(ray_cluster, small_overrides,
+                                                                               tmp_path, mode):
+    """`buffer.snapshot_with_checkpoint=false`: groups admitted but not trained at the checkpoint are re-leased."""
+    common = ["buffer.snapshot_with_checkpoint=false", "trainer.save_freq=2", "trainer.resume_mode=auto",
+              "actor_rollout_ref.rollout.num_workers=2"]
+    first = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], *common, "trainer.total_training_steps=2")
+    TaskRunner(first, printer=lambda *a: None).run()
+    assert not (tmp_path / "ckpt" / "global_step_2" / "buffer").exists()
+    printed: list[str] = []
+    second = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], *common)
+    summary = TaskRunner(second, printer=printed.append).run()
+    assert summary["global_step"] == 4
+    assert _trained_prompts(tmp_path) == Counter(PROMPTS[:8])  # across both runs, each prompt once
