@@ -214,6 +214,8 @@ class Learner:
         for start in range(0, len(perm), mini):
             rows = perm[start:start + mini]
             per_rank = len(rows) // self.world_size
+            if per_rank == 0:
+                continue  # fewer rows than ranks (a batch shrunk by failed samples): every rank skips it alike
             rows = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
             size = micro or len(rows)
             out.append([rows[i:i + size] for i in range(0, len(rows), size)])

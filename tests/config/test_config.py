@@ -121,3 +121,18 @@ def test_unknown_key_without_plus_names_it_and_suggests_the_near_miss():
 def test_cli_prints_one_line_without_traceback(capsys):
     assert cli_main(["config", "actor_rollout_ref.rollout.n=-3"]) == 2
     assert capsys.readouterr().err == "omnirl-async: `actor_rollout_ref.rollout.n` = -3 must be > 0.\n"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("buffer.sampler=uniform", "`buffer.sampler` = 'uniform'"),
+    ("buffer.samples_per_insert=1.0", "`buffer.samples_per_insert` = 1.0"),
+    ("buffer.min_size_to_sample=8", "`buffer.min_size_to_sample` = 8"),
+])
+def test_wait_strategy_refuses_buffer_settings_it_cannot_apply(override, key):
+    from omnirl_async.config.validate import ConfigError
+
+    with pytest.raises(ConfigError, match="under `trainer.v1.trainer_mode` = separate_async") as err:
+        load_config(["trainer.v1.trainer_mode=separate_async", override])
+    assert key in str(err.value)
+    load_config(["trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_strategy=drop",
+                 override])  # the drop strategy samples through the table: accepted
