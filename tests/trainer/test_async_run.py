@@ -57,6 +57,7 @@ def test_drop_evicts_stale_groups_and_counts_them(ray_cluster, small_overrides, 
     assert summary["dropped_samples"] > 0  # workers ran ahead of a threshold of 0
 
 
+@pytest.mark.slow  # tests/chaos/test_kill_workers.py kills workers for 2 minutes; this is the short version
 def test_every_prompt_is_trained_once_when_a_worker_is_killed(ray_cluster, small_overrides, tmp_path):
     import ray
 

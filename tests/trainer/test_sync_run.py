@@ -76,6 +76,7 @@ def test_sync_run_trains_logs_checkpoints_and_resumes_exactly(ray_cluster, base_
     assert summary_c["global_step"] == 5
 
 
+@pytest.mark.slow
 def test_reward_worker_pool_gives_the_same_run_as_inline_scoring(ray_cluster, base_overrides, tmp_path):
     runs = {}
     for name, extra in (("inline", []), ("pool", ["reward.num_workers=1", "reward.num_cpus_per_worker=0.5"])):
