@@ -1,33 +1,51 @@
-"""Machinery shared by every trainer mode: workers, weights, checkpoints, logging.
+"""The one training loop and the machinery every trainer mode shares.
 
 A trainer owns the prompt dispatcher, the rollout workers (Ray actors), the
-replay buffer and the learner group, and knows the current policy version.
-Modes differ only in how they schedule generation against learning
-(:mod:`omnirl_async.trainer.sync`; the asynchronous mode builds on the same
-pieces).
+replay buffer (the Ray transfer queue in every mode) and the learner group,
+and knows the current policy version. :meth:`BaseTrainer.run_loop` is the only
+training loop; a mode supplies one step hook, :meth:`training_step` (sync:
+generate a batch, then train on it; separate_async: wait for the next batch
+the rollout workers made, then train on it), and a few small hooks around it
+(start and end of the run, what an update settles, whether the run is over,
+its rollout metrics). Everything after the update -- publishing weights every
+``parameter_sync_step`` updates, checkpoints, validation, rollout dumps, the
+audit trail, reward-failure accounting and the metrics -- is shared, so both
+modes log the same metric keys with the same meaning.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.rollout_worker import RolloutWorker
 from omnirl_async.buffer import make_replay_buffer
+from omnirl_async.buffer.base import SampledBatch
 from omnirl_async.learners.learner_group import LearnerGroup
-from omnirl_async.metrics import Tracking
+from omnirl_async.metrics import (Timer, Tracking, compute_data_metrics, compute_staleness_metrics,
+                                  compute_throughput_metrics, compute_timing_metrics)
 from omnirl_async.protocol import WeightsInfo
 from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
 from omnirl_async.trainer.trained_log import TrainedLog
 
-__all__ = ["BaseTrainer"]
+__all__ = ["BaseTrainer", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What a mode's :meth:`BaseTrainer.training_step` hands back to the loop."""
+
+    batch: SampledBatch                                      # what the learner trained on (may be empty)
+    metrics: dict[str, float] = field(default_factory=dict)  # the learner's metrics
 
 
 class BaseTrainer:
@@ -60,6 +78,9 @@ class BaseTrainer:
         self.resumed_from: Path | None = None
         self.empty_steps = 0
         self.last_metrics: dict[str, float] = {}
+        self.sync_step = self.updates_per_version()
+        self.all_staleness: list[np.ndarray] = []
+        self.learner_busy_s = 0.0
 
     def _await_workers_started(self, timeout_s: float) -> None:
         import ray
@@ -88,7 +109,11 @@ class BaseTrainer:
 
     def make_buffer(self):
         return make_replay_buffer(self.config.buffer, self.sampler_config(), self.config.transfer_queue,
-                                  use_ray=False, seed=self.config.data.seed)
+                                  use_ray=True, seed=self.config.data.seed)
+
+    def updates_per_version(self) -> int:
+        """Learner updates between weight publications (``parameter_sync_step``; sync: every update)."""
+        return 1
 
     def make_worker(self, index: int, **options):
         import ray
@@ -190,23 +215,120 @@ class BaseTrainer:
             raise NonFiniteError(f"{err}\n{self.last_checkpoint_text()}", quantity=err.quantity, step=err.step,
                                  count=err.count) from None
 
+    # ------------------------------------------------------------------ the loop
     def run_loop(self) -> dict:
-        raise NotImplementedError
+        tcfg = self.config.trainer
+        # ---- set-up: publish the current version once (0, or the restored one), validate, start the mode
+        self.start_run()
+        if tcfg.val_before_train:
+            self.tracking.log(self.validate(), self.global_step)
+        self.on_run_start()
+        bar = tqdm(total=None if tcfg.total_time_minutes else self.total_steps(), initial=self.global_step,
+                   desc=self.progress_label(), unit="step", disable=not tcfg.progress_bar, dynamic_ncols=True)
+        deadline = time.monotonic() + 60.0 * tcfg.total_time_minutes if tcfg.total_time_minutes else None
+        cap = int(tcfg.total_training_steps) if tcfg.total_training_steps else None
+        t_run = time.perf_counter()
+        try:
+            while cap is None or self.global_step < cap:
+                timer = Timer()
+                t_step = time.perf_counter()
+                # ---- 1. the mode's step: this update's samples, then the update
+                step = self.training_step(timer)
+                if step is None:
+                    break  # every prompt of the run has been trained
+                self.learner_busy_s += timer.times.get("update_actor", 0.0)
+                self.global_step += 1
+                metrics = dict(step.metrics)
+                # ---- 2. publish v+1 every `parameter_sync_step` updates
+                if self.global_step % self.sync_step == 0:
+                    self.version += 1
+                    metrics.update(self.publish_weights())
+                    timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
+                else:
+                    self.dcall("on_update", self.global_step)
+                self.after_update()
+                # ---- 3. save, validate, dump
+                done = ((cap is not None and self.global_step >= cap) or self.run_finished()
+                        or (deadline is not None and time.monotonic() > deadline))
+                if self.should_save(done):
+                    with timer("save_checkpoint"):
+                        self.save_checkpoint()
+                if self.should_validate(done):
+                    with timer("testing"):
+                        metrics.update(self.validate())
+                self.dump_rollout(step.batch)
+                timer.times["step"] = time.perf_counter() - t_step
+                # ---- 4. metrics: the same keys, with the same meaning, in every mode
+                metrics = self.step_metrics(metrics, step.batch, timer, time.perf_counter() - t_run)
+                self.tracking.log(metrics, self.global_step)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}",
+                                lag=f"{metrics.get('training/off_policy/trajectory_staleness/max', 0):.0f}")
+                if done:
+                    break
+        finally:
+            bar.close()
+            self.on_run_end()
+        return self.summary()
 
     def start_run(self) -> None:
         """Publish the current version (0, or the restored one) once and start counting failures."""
         self.publish_weights()
         self.monitor.reset(self.buffer.metrics())
 
-    def end_of_step(self, metrics: dict[str, float], metas, batch_tickets: list[int]) -> dict[str, float]:
-        """Bookkeeping every mode does after a step: audit trail, failure counters, trained tickets."""
-        self.trained.step(self.global_step, self.version, metas)
-        if batch_tickets:
-            self.dcall("mark_trained", batch_tickets)
-        metrics.update(self.monitor.observe(self.buffer.metrics()))
+    def step_metrics(self, metrics: dict[str, float], batch: SampledBatch, timer: Timer,
+                     run_s: float) -> dict[str, float]:
+        """Every step's metrics (VeRL-Omni names), and the bookkeeping that goes with them."""
+        staleness = np.asarray(batch.info.get("staleness", np.zeros(len(batch))))
+        self.all_staleness.append(staleness)
+        extras = {k[len("extra."):].replace(".", "/"): v for k, v in batch.fields.items() if k.startswith("extra.")}
+        if len(batch):
+            metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
+        metrics.update(compute_timing_metrics(timer.times, len(batch)))
+        metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
+        metrics.update(compute_staleness_metrics(staleness))
+        buf = self.buffer.metrics()
+        metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in buf.items() if not isinstance(v, (list, tuple))})
+        metrics["training/off_policy/dropped_samples"] = float(buf.get("buffer/dropped_stale", 0.0))
+        metrics["perf/learner_idle_frac"] = 1.0 - self.learner_busy_s / max(1e-9, run_s)
+        metrics.update(self.rollout_metrics())
+        metrics["training/global_step"] = float(self.global_step)
+        metrics["training/policy_version"] = float(self.version)
+        metrics["training/epoch"] = float(self.dcall("epoch_now"))
+        # audit trail, trained tickets, reward failures (raises past `reward.max_failed_frac`)
+        self.trained.step(self.global_step, self.version, batch.metas)
+        if len(batch):
+            self.dcall("mark_trained", [m.tags.ticket for m in batch.metas])
+        metrics.update(self.monitor.observe(buf))
         metrics["training/empty_steps"] = float(self.empty_steps)
         self.last_metrics = dict(metrics)
         return metrics
+
+    # ------------------------------------------------------------------ mode hooks
+    def training_step(self, timer: Timer) -> StepResult | None:
+        """Produce this update's batch and run the update; None when no prompt is left."""
+        raise NotImplementedError
+
+    def on_run_start(self) -> None:
+        """After the first publish (separate_async starts its rollout loops here)."""
+
+    def on_run_end(self) -> None:
+        """Always called when the loop ends, also on an error."""
+
+    def after_update(self) -> None:
+        """Bookkeeping once an update is done (which tickets are settled)."""
+
+    def run_finished(self) -> bool:
+        """No prompt is left and everything admitted has been trained."""
+        raise NotImplementedError
+
+    def rollout_metrics(self) -> dict[str, float]:
+        """``perf/rollout_idle_frac``, ``rollout/samples_generated``, ``rollout/gen_s_per_sample``,
+        ``rollout/min_worker_version``, ``timing_s/reward``."""
+        raise NotImplementedError
+
+    def progress_label(self) -> str:
+        return type(self).__name__
 
     def update_learner(self, batch) -> dict[str, float]:
         """One learner update on ``batch``; an empty batch (all of its groups failed) is an empty step."""
@@ -237,14 +359,16 @@ class BaseTrainer:
                   marks=strict, title=f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}")
         return out["metrics"]
 
-    def dump_rollout(self, images: np.ndarray, prompts: list[str], rewards: np.ndarray) -> None:
+    def dump_rollout(self, batch: SampledBatch) -> None:
+        """Every ``rollout_data_save_freq`` steps, a grid of this step's trained samples with their rewards."""
         tcfg = self.config.trainer
-        if tcfg.rollout_data_save_freq <= 0 or self.global_step % tcfg.rollout_data_save_freq:
+        if tcfg.rollout_data_save_freq <= 0 or self.global_step % tcfg.rollout_data_save_freq or not len(batch):
             return
         from omnirl_async.trainer.validation import save_grid
 
+        images, rewards = batch.fields["images"], batch.fields["rewards"]
         cap = tcfg.rollout_data_max_samples or len(images)
-        captions = [f"{r:.2f} {p}" for p, r in zip(prompts[:cap], rewards[:cap])]
+        captions = [f"{r:.2f} {m.tags.prompt}" for m, r in zip(batch.metas[:cap], rewards[:cap])]
         save_grid(images[:cap], captions, Path(tcfg.default_local_dir) / "rollout_data" / f"step_{self.global_step}.png",
                   cols=self.n)
 

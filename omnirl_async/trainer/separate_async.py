@@ -40,15 +40,13 @@ import dataclasses
 import time
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.staleness import AdmissionController
 from omnirl_async.buffer import make_replay_buffer
 from omnirl_async.learners.weight_store import WeightStore
-from omnirl_async.metrics import (Timer, compute_data_metrics, compute_staleness_metrics, compute_throughput_metrics,
-                                  compute_timing_metrics)
-from omnirl_async.trainer.base import BaseTrainer
+from omnirl_async.metrics import Timer
+from omnirl_async.trainer.base import BaseTrainer, StepResult
 
 __all__ = ["SeparateAsyncTrainer"]
 
@@ -62,7 +60,6 @@ class SeparateAsyncTrainer(BaseTrainer):
         v1 = config.trainer.v1
         self.threshold = v1.sampler.max_off_policy_threshold
         self.strategy = v1.sampler.max_off_policy_strategy
-        self.sync_step = v1.separate_async.parameter_sync_step
         self.worker_slowdowns = worker_slowdowns
         self.store = ray.remote(num_cpus=0)(WeightStore).remote(keep=2)
         super().__init__(config, prompts, printer=printer)
@@ -70,15 +67,19 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.worker_ids: dict[int, str] = {}
         self.consumed_groups: set[str] = set()
         self.trained_log: list[tuple[str, str, int, int, int]] = []
-        self.dropped_before = 0.0
         self.replaced_workers = 0
+        self.final_worker_stats: list = []
+        self.reward_s_seen = 0.0
 
     # ------------------------------------------------------------------ construction
+    def updates_per_version(self) -> int:
+        return self.config.trainer.v1.separate_async.parameter_sync_step
+
     def make_dispatcher(self, prompts):
         import ray
 
         admission = AdmissionController(threshold=self.threshold, batch_groups=self.batch_prompts,
-                                        updates_per_version=self.sync_step, strategy=self.strategy)
+                                        updates_per_version=self.updates_per_version(), strategy=self.strategy)
         return ray.remote(num_cpus=0)(PromptDispatcher).remote(prompts, admission=admission,
                                                                **self.dispatcher_kwargs())
 
@@ -173,7 +174,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         """Poll ``ready()`` (checking workers and reward failures) until true, or explain the timeout."""
         deadline = time.monotonic() + self.wait_timeout_s
         last_check = 0.0
-        with timer("wait_data"):
+        with timer("gen"):  # timing_s/gen: what this step waited for its samples to be generated
             while not ready():
                 self.check_workers()
                 if time.monotonic() - last_check > 1.0:
@@ -205,8 +206,10 @@ class SeparateAsyncTrainer(BaseTrainer):
                 return None
         else:
             want = self.batch_prompts * self.n
-            self._wait_until(lambda: self.buffer.num_ready_samples(self.version) >= want or self.prompts_finished(),
-                             f"{want} fresh samples (lag <= {self.threshold}) in the buffer", timer)
+            sep = self.config.trainer.v1.separate_async
+            first = want * max(1, sep.num_warmup_batches) if step == 0 else want  # warm-up: queue more first
+            self._wait_until(lambda: self.buffer.num_ready_samples(self.version) >= first or self.prompts_finished(),
+                             f"{first} fresh samples (lag <= {self.threshold}) in the buffer", timer)
             ready = self.buffer.num_ready_samples(self.version)
             if ready == 0:
                 return None  # prompts finished and nothing fresh left
@@ -227,7 +230,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             return self.dcall("tickets_issued") <= self.global_step * self.batch_prompts
         return self.buffer.num_ready_samples(self.version) == 0
 
-    def rollout_stats(self) -> dict[str, float]:
+    def rollout_metrics(self) -> dict[str, float]:
         import ray
 
         self.check_workers()
@@ -240,10 +243,13 @@ class SeparateAsyncTrainer(BaseTrainer):
         if not stats:
             return {}
         wall = sum(s["wall_s"] for s in stats) or 1.0
+        reward_s = sum(s["reward_s"] for s in stats)
+        step_reward_s, self.reward_s_seen = max(0.0, reward_s - self.reward_s_seen), reward_s
         return {"perf/rollout_idle_frac": sum(s["idle_s"] for s in stats) / wall,
                 "rollout/samples_generated": float(sum(s["samples"] for s in stats)),
                 "rollout/gen_s_per_sample": sum(s["gen_s"] for s in stats) / max(1, sum(s["samples"] for s in stats)),
-                "rollout/min_worker_version": float(min(s["version"] for s in stats))}
+                "rollout/min_worker_version": float(min(s["version"] for s in stats)),
+                "timing_s/reward": step_reward_s}
 
     def save_checkpoint(self):
         """Quiesce (no new leases, in-flight groups land), then save everything consistently."""
@@ -255,97 +261,49 @@ class SeparateAsyncTrainer(BaseTrainer):
         finally:
             self.dcall("pause", False)
 
-    # ------------------------------------------------------------------ loop
-    def run_loop(self) -> dict:
-        import ray
-
-        total = self.total_steps()
-        self.start_run()
-        if self.config.trainer.val_before_train:
-            self.tracking.log(self.validate(), self.global_step)
+    # ------------------------------------------------------------------ hooks of the one loop
+    def on_run_start(self) -> None:
         for i in range(len(self.workers)):
             self._start_worker(i)
-        bar = tqdm(total=None if self.config.trainer.total_time_minutes else total, initial=self.global_step,
-                   desc=f"async FlowGRPO (lag<={self.threshold})",
-                   unit="step", disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
-        deadline = (time.monotonic() + 60.0 * self.config.trainer.total_time_minutes
-                    if self.config.trainer.total_time_minutes else None)
-        step_cap = self.config.trainer.total_training_steps
-        t_run = time.perf_counter()
-        learner_busy = 0.0
-        all_staleness: list[np.ndarray] = []
+
+    def training_step(self, timer: Timer) -> StepResult | None:
+        """Wait for this update's batch (what the rollout loops made meanwhile), requeue refills, train."""
+        batch = self.next_batch(timer)
+        if batch is None:
+            return None
+        self.requeue_refills()
+        compat = self.config.trainer.v1.separate_async.sync_compatible
+        if compat:
+            self.dcall("pause", True)
+        with timer("update_actor"):
+            metrics = self.update_learner(batch)
+        if compat:
+            self.dcall("pause", False)
+        return StepResult(batch=batch, metrics=metrics)
+
+    def after_update(self) -> None:
+        if self.strategy == "wait":
+            self.dcall("settle_below", self.global_step * self.batch_prompts)
+
+    def on_run_end(self) -> None:
+        import ray
+
+        self.dcall("stop")
         try:
-            while step_cap is None or self.global_step < int(step_cap):
-                timer = Timer()
-                t_step = time.perf_counter()
-                batch = self.next_batch(timer)
-                if batch is None:
-                    break
-                self.requeue_refills()
-                compat = self.config.trainer.v1.separate_async.sync_compatible
-                if compat:
-                    self.dcall("pause", True)
-                t_upd = time.perf_counter()
-                metrics = self.update_learner(batch)
-                timer.times["update_actor"] = time.perf_counter() - t_upd
-                learner_busy += timer.times["update_actor"]
-                if compat:
-                    self.dcall("pause", False)
-                self.global_step += 1
-                if self.strategy == "wait":
-                    self.dcall("settle_below", self.global_step * self.batch_prompts)
-                if self.global_step % self.sync_step == 0:
-                    self.version += 1
-                    metrics.update(self.publish_weights())
-                    timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
-                else:
-                    self.dcall("on_update", self.global_step)
-                done = ((step_cap is not None and self.global_step >= int(step_cap)) or self.run_finished()
-                        or (deadline is not None and time.monotonic() > deadline))
-                if self.should_save(done):
-                    with timer("save_checkpoint"):
-                        self.save_checkpoint()
-                if self.should_validate(done):
-                    with timer("testing"):
-                        metrics.update(self.validate())
-                timer.times["step"] = time.perf_counter() - t_step
-                staleness = batch.info.get("staleness", np.zeros(len(batch)))
-                all_staleness.append(np.asarray(staleness))
-                extras = {k[len("extra."):].replace(".", "/"): v for k, v in batch.fields.items()
-                          if k.startswith("extra.")}
-                if len(batch):
-                    metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
-                metrics.update(compute_timing_metrics(timer.times, len(batch)))
-                metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
-                metrics.update(compute_staleness_metrics(staleness))
-                buf = self.buffer.metrics()
-                metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in buf.items()
-                                if not isinstance(v, (list, tuple))})
-                metrics["training/off_policy/dropped_samples"] = float(buf.get("buffer/dropped_stale", 0.0))
-                metrics["perf/learner_idle_frac"] = 1.0 - learner_busy / max(1e-9, time.perf_counter() - t_run)
-                metrics.update(self.rollout_stats())
-                metrics["training/global_step"] = float(self.global_step)
-                metrics["training/policy_version"] = float(self.version)
-                self.end_of_step(metrics, batch.metas, [m.tags.ticket for m in batch.metas])
-                self.tracking.log(metrics, self.global_step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}",
-                                lag=f"{float(np.max(staleness)) if len(staleness) else 0:.0f}")
-                if done:
-                    break
-        finally:
-            bar.close()
-            self.dcall("stop")
-            try:
-                self.final_worker_stats = ray.get(list(self.run_refs.values()), timeout=120)
-            except Exception as err:  # a dead worker at shutdown is reported, not raised
-                self.printer(f"rollout workers did not stop cleanly: {type(err).__name__}: {err}")
-                self.final_worker_stats = []
-        stale = np.concatenate(all_staleness) if all_staleness else np.zeros(0)
-        summary = self.summary()
-        summary.update({"staleness_max": float(stale.max()) if stale.size else 0.0,
-                        "staleness_mean": float(stale.mean()) if stale.size else 0.0,
-                        "dropped_samples": float(self.buffer.metrics().get("buffer/dropped_stale", 0.0)),
-                        "learner_idle_frac": 1.0 - learner_busy / max(1e-9, time.perf_counter() - t_run),
-                        "replaced_workers": self.replaced_workers})
-        return summary
+            self.final_worker_stats = ray.get(list(self.run_refs.values()), timeout=120)
+        except Exception as err:  # a dead worker at shutdown is reported, not raised
+            self.printer(f"rollout workers did not stop cleanly: {type(err).__name__}: {err}")
+            self.final_worker_stats = []
+
+    def progress_label(self) -> str:
+        return f"async FlowGRPO (lag<={self.threshold})"
+
+    def summary(self) -> dict:
+        stale = np.concatenate(self.all_staleness) if self.all_staleness else np.zeros(0)
+        out = super().summary()
+        out.update({"staleness_max": float(stale.max()) if stale.size else 0.0,
+                    "staleness_mean": float(stale.mean()) if stale.size else 0.0,
+                    "dropped_samples": float(self.buffer.metrics().get("buffer/dropped_stale", 0.0)),
+                    "learner_idle_frac": float(self.last_metrics.get("perf/learner_idle_frac", 1.0)),
+                    "replaced_workers": self.replaced_workers})
+        return out

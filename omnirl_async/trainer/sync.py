@@ -12,22 +12,25 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
-from tqdm.auto import tqdm
-
 from omnirl_async.buffer.base import SampledBatch
-from omnirl_async.metrics import (Timer, compute_data_metrics, compute_staleness_metrics, compute_throughput_metrics,
-                                  compute_timing_metrics, reduce_metrics)
-from omnirl_async.trainer.base import BaseTrainer
+from omnirl_async.metrics import Timer
+from omnirl_async.trainer.base import BaseTrainer, StepResult
 
 __all__ = ["SyncTrainer"]
 
 
 class SyncTrainer(BaseTrainer):
+    def __init__(self, config, prompts, *, printer=print):
+        super().__init__(config, prompts, printer=printer)
+        self.samples_generated = 0
+        self.worker_gen_s = self.gen_wall_s = self.step_reward_s = 0.0
+        self.generated_version = 0
+        self.t_start = time.perf_counter()
+
     def sampler_config(self):
         return dataclasses.replace(self.config.trainer.v1.sampler, max_off_policy_threshold=0)
 
-    # ------------------------------------------------------------------ phases
+    # ------------------------------------------------------------------ generation
     def generate(self, timer: Timer):
         """Lease one batch of prompts, generate on every worker, put the groups into the buffer.
 
@@ -42,10 +45,7 @@ class SyncTrainer(BaseTrainer):
             for r in refills:
                 self.dispatcher.requeue(r.group_uid, r.prompt, r.n, global_step=self.global_step + 1, epoch=r.epoch)
             again = self.dispatcher.lease(len(refills), global_step=self.global_step + 1)
-            more = self._generate_leases(again, timer)
-            gen["rewards"] = np.concatenate([gen["rewards"], more["rewards"]])
-            gen["failed"] = np.concatenate([gen["failed"], more["failed"]])
-            gen["num"] += more["num"]
+            gen["num"] += self._generate_leases(again, timer)["num"]
         return gen
 
     def _run_shards(self, shards: list) -> list:
@@ -87,95 +87,58 @@ class SyncTrainer(BaseTrainer):
     def _generate_leases(self, leases, timer: Timer) -> dict:
         shards = [leases[i::len(self.workers)] for i in range(len(self.workers))]
         with timer("gen"):
+            t0 = time.perf_counter()
             outputs = self._run_shards(shards)
-        metas_all, rewards, failed, extras, stats, images = [], [], [], {}, [], []
+            self.gen_wall_s += time.perf_counter() - t0
+        num = 0
         for shard, out in zip(shards, outputs):
             if not shard:
                 continue
-            metas, fields, st = out
+            metas, fields, stats = out
             self.buffer.put(metas, fields, timeout=self.wait_timeout_s)
             self.dispatcher.complete([lease.lease_id for lease in shard])
-            metas_all.extend(metas)
-            rewards.append(fields["rewards"])
-            images.append(fields["images"])
-            failed.append(np.array([m.status.value == "failure" for m in metas]))
-            for k, v in fields.items():
-                if k.startswith("extra."):
-                    extras.setdefault(k[len("extra."):].replace(".", "/"), []).append(v)
-            stats.append(st)
-        images = np.concatenate(images)
-        gen = {"rewards": np.concatenate(rewards), "failed": np.concatenate(failed),
-               "extras": {k: np.concatenate(v) for k, v in extras.items()}, "stats": reduce_metrics(stats),
-               "num": len(metas_all), "images": images, "prompts": [m.tags.prompt for m in metas_all]}
-        return gen
+            num += len(metas)
+            self.samples_generated += len(metas)
+            self.worker_gen_s += stats.get("timing_s/gen", 0.0)
+            self.step_reward_s += stats.get("timing_s/reward", 0.0)
+        return {"num": num}
 
-    def train(self, timer: Timer):
-        """Sample every ready group (lag 0) and run one learner update on it.
+    # ------------------------------------------------------------------ hooks of the one loop
+    def training_step(self, timer: Timer) -> StepResult | None:
+        """Generate this step's batch with the current weights, then train on every group of it (lag 0).
 
         When every group of the batch failed reward scoring there is nothing to
         train: the step is an empty step (counted in ``training/empty_steps``)
         and ``reward.max_failed_frac`` decides whether the job goes on.
         """
+        self.step_reward_s = 0.0
+        self.generated_version = self.version
+        if self.generate(timer) is None:
+            return None
         with timer("sample"):
             ready = self.buffer.num_ready_samples(self.version)
             batch = (self.buffer.sample(ready, learner_version=self.version, timeout=self.wait_timeout_s)
                      if ready else SampledBatch(metas=[], fields={}))
         with timer("update_actor"):
             metrics = self.update_learner(batch)
-        return metrics, batch
+        return StepResult(batch=batch, metrics=metrics)
 
-    # ------------------------------------------------------------------ loop
-    def run_loop(self) -> dict:
-        total = self.total_steps()
-        self.start_run()
-        if self.config.trainer.val_before_train:
-            self.tracking.log(self.validate(), self.global_step)
-        bar = tqdm(total=None if self.config.trainer.total_time_minutes else total, initial=self.global_step,
-                   desc="sync FlowGRPO", unit="step",
-                   disable=not self.config.trainer.progress_bar, dynamic_ncols=True)
-        deadline = None
-        if self.config.trainer.total_time_minutes:
-            deadline = time.monotonic() + 60.0 * self.config.trainer.total_time_minutes
-        try:
-            while self.global_step < total:
-                timer = Timer()
-                t_step = time.perf_counter()
-                gen = self.generate(timer)
-                if gen is None:
-                    break
-                metrics, batch = self.train(timer)
-                staleness = batch.info.get("staleness", np.zeros(len(batch)))
-                self.global_step += 1
-                self.version += 1
-                metrics.update(self.publish_weights())
-                timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
-                self.dispatcher.settle_below(self.dispatcher.tickets_issued())
-                done = (self.global_step >= total or self.dispatcher.exhausted()
-                        or (deadline is not None and time.monotonic() > deadline))
-                if self.should_save(done):
-                    with timer("save_checkpoint"):
-                        self.save_checkpoint()
-                self.dump_rollout(gen["images"], gen["prompts"], gen["rewards"])
-                if self.should_validate(done):
-                    with timer("testing"):
-                        metrics.update(self.validate())
-                timer.times["step"] = time.perf_counter() - t_step
-                metrics.update(gen["stats"])
-                metrics.pop("timing_s/gen", None)  # worker-side time; the wall-clock one is in timer
-                metrics.update(compute_data_metrics(gen["rewards"], None, gen["extras"], gen["failed"]))
-                metrics.update(compute_timing_metrics(timer.times, gen["num"]))
-                metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
-                metrics.update(compute_staleness_metrics(staleness))
-                metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in self.buffer.metrics().items()
-                                if not isinstance(v, (list, tuple))})
-                metrics["training/global_step"] = float(self.global_step)
-                metrics["training/epoch"] = float(self.dispatcher.epoch)
-                self.end_of_step(metrics, batch.metas, [m.tags.ticket for m in batch.metas])
-                self.tracking.log(metrics, self.global_step)
-                bar.update(1)
-                bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}")
-                if done:
-                    break
-        finally:
-            bar.close()
-        return self.summary()
+    def after_update(self) -> None:
+        self.dispatcher.settle_below(self.dispatcher.tickets_issued())  # trained, or failed for good
+
+    def run_finished(self) -> bool:
+        return self.dispatcher.exhausted()
+
+    def rollout_metrics(self) -> dict[str, float]:
+        run_s = max(1e-9, time.perf_counter() - self.t_start)
+        return {"perf/rollout_idle_frac": 1.0 - min(1.0, self.gen_wall_s / run_s),
+                "rollout/samples_generated": float(self.samples_generated),
+                "rollout/gen_s_per_sample": self.worker_gen_s / max(1, self.samples_generated),
+                "rollout/min_worker_version": float(self.generated_version),
+                "timing_s/reward": self.step_reward_s}
+
+    def on_run_start(self) -> None:
+        self.t_start = time.perf_counter()
+
+    def progress_label(self) -> str:
+        return "sync FlowGRPO"
