@@ -1,5 +1,6 @@
 """Admission control: never start a prompt whose samples would be too stale to train.
 
+The rule itself (one function per question) is in :mod:`omnirl_async.staleness`.
 Every prompt group gets a **ticket**, its position in one global order
 (0, 1, 2, ...). The learner trains groups in ticket order: update ``u`` takes
 tickets ``[u*B, (u+1)*B)`` (``B`` = prompts per learner batch), and the policy
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import math
 import threading
+
+from omnirl_async import staleness as rule
 
 __all__ = ["AdmissionController", "LockedState"]
 
@@ -78,7 +81,8 @@ class AdmissionController(LockedState):
             if self.max_ahead_batches is None:
                 return math.inf
             return (self.learner_updates + self.max_ahead_batches) * self.batch_groups
-        return (self.threshold + worker_version + 1) * self.updates_per_version * self.batch_groups
+        return rule.ticket_limit(worker_version, threshold=self.threshold,
+                                 updates_per_version=self.updates_per_version, batch_groups=self.batch_groups)
 
     def admits(self, ticket: int, worker_version: int) -> bool:
         with self._lock:
@@ -86,7 +90,8 @@ class AdmissionController(LockedState):
 
     def trained_version(self, ticket: int) -> int:
         """The policy version at which the learner trains ``ticket``."""
-        return ticket // (self.updates_per_version * self.batch_groups)
+        return rule.trained_version(ticket, updates_per_version=self.updates_per_version,
+                                    batch_groups=self.batch_groups)
 
     # ------------------------------------------------------------------ events
     def on_update(self, updates_done: int) -> None:

@@ -1,6 +1,6 @@
 """Staleness: how far behind the learner a sample's policy is, and what to do about it.
 
-``lag = learner_version - policy_version`` of the sample (offline samples have
+(The rule: :mod:`omnirl_async.staleness`.) ``lag = learner_version - policy_version`` of the sample (offline samples have
 no policy version and lag 0). A group is *stale* when one of its members has
 ``lag > max_off_policy_threshold``; it is then never returned by ``sample``
 (invariant 1 of DESIGN.md). A stale group can only get staler – versions are
@@ -20,6 +20,8 @@ The two strategies differ upstream, not here:
 from __future__ import annotations
 
 import logging
+
+from omnirl_async import staleness as rule
 
 __all__ = ["StalenessPolicy", "STRATEGIES"]
 
@@ -41,16 +43,14 @@ class StalenessPolicy:
         self.strategy = strategy
         self._warned = False
 
-    @staticmethod
-    def lag(policy_version: int | None, learner_version: int) -> int:
-        return 0 if policy_version is None else learner_version - policy_version
+    lag = staticmethod(rule.lag)
 
     def is_stale(self, policy_version: int | None, learner_version: int) -> bool:
-        return self.threshold is not None and self.lag(policy_version, learner_version) > self.threshold
+        return rule.is_stale(policy_version, learner_version, self.threshold)
 
     def oldest_fresh_version(self, learner_version: int) -> int | None:
         """Smallest policy version still trainable at ``learner_version`` (None = no bound)."""
-        return None if self.threshold is None else learner_version - self.threshold
+        return rule.oldest_trainable_version(learner_version, self.threshold)
 
     def on_dropped(self, n_samples: int, learner_version: int) -> None:
         if self.strategy == "wait" and not self._warned and n_samples > 0:

@@ -41,6 +41,7 @@ import time
 
 import numpy as np
 
+from omnirl_async import staleness as rule
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.staleness import AdmissionController
 from omnirl_async.buffer import make_replay_buffer
@@ -195,11 +196,11 @@ class SeparateAsyncTrainer(BaseTrainer):
         if self.strategy == "wait":
             sep = self.config.trainer.v1.separate_async
             ahead = sep.num_warmup_batches if step == 0 and sep.num_warmup_batches > 1 else 1
-            cap = (self.threshold + 1) * self.sync_step  # more is never admitted at version 0
+            cap = rule.startup_batches(threshold=self.threshold, updates_per_version=self.sync_step)
             target = (step + min(ahead, cap)) * self.batch_prompts
             self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
                              f"the prompt groups of tickets below {target}", timer)
-            below = (step + 1) * self.batch_prompts
+            below = rule.update_tickets(step, batch_groups=self.batch_prompts).stop
             with timer("sample"):
                 batch = self.buffer.sample_tickets(below, learner_version=self.version)
             if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= below:
@@ -222,12 +223,16 @@ class SeparateAsyncTrainer(BaseTrainer):
                                 for m in batch.metas)
         return batch
 
+    def trained_below(self) -> int:
+        """Every ticket below this one has had its update (``wait``)."""
+        return rule.update_tickets(self.global_step - 1, batch_groups=self.batch_prompts).stop
+
     def run_finished(self) -> bool:
         """Every admitted group has been trained (or failed) and no prompt is left."""
         if not self.prompts_finished():
             return False
         if self.strategy == "wait":
-            return self.dcall("tickets_issued") <= self.global_step * self.batch_prompts
+            return self.dcall("tickets_issued") <= self.trained_below()
         return self.buffer.num_ready_samples(self.version) == 0
 
     def rollout_metrics(self) -> dict[str, float]:
@@ -283,7 +288,7 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def after_update(self) -> None:
         if self.strategy == "wait":
-            self.dcall("settle_below", self.global_step * self.batch_prompts)
+            self.dcall("settle_below", self.trained_below())
 
     def on_run_end(self) -> None:
         import ray

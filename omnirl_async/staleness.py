@@ -1,0 +1,59 @@
+"""The staleness rule, in one place: one function per question.
+
+Versions count weight publications; the learner publishes version ``v+1``
+after every ``P`` updates (``parameter_sync_step``; 1 in sync mode). A
+sample's **lag** is the learner's version when it is trained minus the version
+that generated it; ``max_off_policy_threshold`` ``T`` bounds it.
+
+Under the ``wait`` strategy every prompt group gets a **ticket**, its place in
+the training order, and update ``u`` trains exactly the tickets
+``[u*B, (u+1)*B)`` (``B`` = prompt groups per batch), so ticket ``k`` is
+trained at version ``floor(k / (P*B))``. A worker holding version ``v`` may
+start ticket ``k`` only if ``k < (T + v + 1) * P * B``: then every lag is
+within ``T`` by construction, however slow the worker. Under ``drop`` no
+ticket is refused and the buffer evicts what went stale.
+
+Used by admission control (:mod:`omnirl_async.actors.staleness`), the
+buffer's eviction (:mod:`omnirl_async.buffer.staleness`) and the trainer's
+wait for a batch (:mod:`omnirl_async.trainer.separate_async`).
+"""
+
+from __future__ import annotations
+
+__all__ = ["lag", "is_stale", "oldest_trainable_version", "ticket_limit", "trained_version", "update_tickets",
+           "startup_batches"]
+
+
+def lag(policy_version: int | None, learner_version: int) -> int:
+    """How many versions behind the learner a sample is (offline samples, version None: 0)."""
+    return 0 if policy_version is None else learner_version - policy_version
+
+
+def is_stale(policy_version: int | None, learner_version: int, threshold: int | None) -> bool:
+    """True when a sample of ``policy_version`` may not be trained at ``learner_version``."""
+    return threshold is not None and lag(policy_version, learner_version) > threshold
+
+
+def oldest_trainable_version(learner_version: int, threshold: int | None) -> int | None:
+    """The smallest policy version still trainable at ``learner_version`` (None = no bound)."""
+    return None if threshold is None else learner_version - threshold
+
+
+def ticket_limit(worker_version: int, *, threshold: int, updates_per_version: int, batch_groups: int) -> int:
+    """The first ticket a worker holding ``worker_version`` may NOT start (``wait`` strategy)."""
+    return (threshold + worker_version + 1) * updates_per_version * batch_groups
+
+
+def trained_version(ticket: int, *, updates_per_version: int, batch_groups: int) -> int:
+    """The learner version at which ``ticket`` is trained."""
+    return ticket // (updates_per_version * batch_groups)
+
+
+def update_tickets(update: int, *, batch_groups: int) -> range:
+    """The tickets update ``update`` (0-based) trains."""
+    return range(update * batch_groups, (update + 1) * batch_groups)
+
+
+def startup_batches(*, threshold: int, updates_per_version: int) -> int:
+    """Batches admission lets in before the first publication: a warm-up larger than this never fills."""
+    return (threshold + 1) * updates_per_version
