@@ -33,3 +33,23 @@ def test_reward_curve_skips_event_files_of_earlier_runs(tmp_path):
 def test_reward_curve_of_a_missing_or_empty_folder_is_empty(tmp_path):
     assert _reward_curve(str(tmp_path / "absent")) == []
     assert _reward_curve(str(tmp_path)) == []
+
+
+def test_demo_runs_a_few_separate_async_steps_and_prints_its_summary(tmp_path, capsys):
+    """Smoke test of `make demo`'s entry point: the real run, cut to 2 steps, with its summary."""
+    import ray
+
+    from omnirl_async.demo import main
+
+    assert main(["trainer.total_training_steps=2", "trainer.total_time_minutes=1", "trainer.progress_bar=false",
+                 "actor_rollout_ref.model.path=embedded:tiny-sd3", "data.train_batch_size=2",
+                 "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                 "actor_rollout_ref.rollout.pipeline.num_inference_steps=3", "trainer.device=cpu",
+                 "ray_kwargs.num_cpus=4", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
+                 f"trainer.log_dir={tmp_path / 'tb'}"]) == 0
+    assert not ray.is_initialized()  # the demo shuts down the Ray it started
+    out = capsys.readouterr().out
+    assert "omnirl-async demo: separate_async" in out and "=== demo summary ===" in out
+    assert "steps trained:        2 (policy version 2)" in out
+    assert f"checkpoints:          {tmp_path / 'ckpt'}" in out
+    assert (tmp_path / "ckpt" / "global_step_2" / "manifest.json").is_file()

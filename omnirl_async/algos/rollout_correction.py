@@ -41,16 +41,35 @@ step gets weight 0; it stays in the denominator of the loss's mean, so
 rejection does not up-weight the surviving samples. On-policy data
 (old == behaviour) gives ``log r = 0`` and every valid weight is exactly 1.
 
-``bypass_mode``: the learner uses behaviour as old, so ``log r = 0`` here and
-the PPO ratio itself is the IS term. To still reject far-off steps, call this
-function inside the loss with the current (detached) log-probs as
-``old_log_prob``.
+Two modes (``bypass_mode``), upstream verl's semantics:
+
+decoupled (``bypass_mode = false``)
+    the learner recomputes old, calls :func:`compute_rollout_correction`
+    once per update on the whole batch ``[B, T]`` and passes
+    ``weights[:, t]`` (IS weight x RS keep) to the loss as ``is_weights``.
+bypass (``bypass_mode = true``)
+    old := behaviour, so the comparison above would be behaviour vs itself.
+    Instead the loss calls :func:`compute_bypass_correction` on every trained
+    step with ``log r = sg(logp_theta) - logp_behaviour`` (current policy,
+    gradient detached), with the same options, and multiplies its per-sample
+    loss by the result exactly where decoupled mode puts ``is_weights``. The
+    PPO ratio ``pi_theta / pi_behaviour`` is then itself the IS term (as in
+    verl's ``ppo_clip`` bypass loss), so the IS weight *values* are computed
+    and reported but not multiplied in (that would count the ratio twice);
+    their zeroes (``"lo_hi"`` masked IS) and the RS rejections drop steps as
+    in decoupled mode. The loss sees one SDE step at a time, so sequence-level
+    options (``rollout_is = sequence``, ``seq_*`` criteria) are refused in
+    bypass mode, and ``rollout_is_batch_normalize`` normalises over the
+    step's micro-batch (it only changes the reported weights there).
 
 Metrics (``rollout_corr/``): ``kl`` (mean of behaviour - old), ``k3_kl``,
 ``logprob_abs_diff_mean``, ``logprob_abs_diff_max``, ``is_weight_mean``,
 ``is_weight_max`` (IS weights after truncation/normalisation, before RS),
 ``rs_reject_frac`` (fraction of valid steps rejected) and one
-``rs_<criterion>_reject_frac`` per criterion.
+``rs_<criterion>_reject_frac`` per criterion. The names are the same in both
+modes; in bypass mode "old" is the current policy and each value is one trained
+step of one micro-batch, averaged by the learner like the ``actor/*`` metrics
+(so the ``*_max`` metrics are means of per-step maxima).
 """
 
 from __future__ import annotations
@@ -62,8 +81,8 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["RS_CRITERIA", "SAFETY_BOUND", "RolloutCorrectionResult", "compute_rollout_correction",
-           "parse_is_threshold", "parse_rs_thresholds"]
+__all__ = ["RS_CRITERIA", "SAFETY_BOUND", "RolloutCorrectionResult", "compute_bypass_correction",
+           "compute_rollout_correction", "parse_is_threshold", "parse_rs_thresholds", "sequence_level_options"]
 
 SAFETY_BOUND = 20.0
 RS_CRITERIA = ("token_k1", "token_k2", "token_k3",
@@ -227,6 +246,68 @@ def compute_rollout_correction(
         config: object or mapping with ``rollout_is``, ``rollout_is_threshold``,
             ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``.
     """
+    return _correction(old_log_prob, behaviour_log_prob, mask, config)[0]
+
+
+def sequence_level_options(config) -> list[str]:
+    """The options of ``config`` that aggregate over the steps of a row (``rollout_is = sequence``, ``seq_*``)."""
+    out = ["rollout_is=sequence"] if _get(config, "rollout_is") == "sequence" else []
+    rollout_rs = _get(config, "rollout_rs")
+    if rollout_rs is not None:
+        out += [f"rollout_rs={c}" for c in _parse_criteria(rollout_rs) if c.startswith("seq_")]
+    return out
+
+
+@torch.no_grad()
+def compute_bypass_correction(
+    current_log_prob: torch.Tensor,
+    behaviour_log_prob: torch.Tensor,
+    config,
+    mask: torch.Tensor | None = None,
+) -> RolloutCorrectionResult:
+    """Bypass-mode correction: the current policy (gradient detached) vs the behaviour policy.
+
+    Same options, formulas and metrics as :func:`compute_rollout_correction`
+    with ``old_log_prob = current_log_prob.detach()``; only ``weights`` (the
+    multiplier for the loss) differs: it is the RS keep mask times the keep
+    mask of masked IS (``"lo_hi"``) times the valid mask, without the IS
+    values, because in bypass mode the PPO ratio ``pi_theta / pi_behaviour``
+    already is the IS term. ``is_weights`` holds the IS weights (reported
+    only) and ``rs_mask`` the RS keep mask, as in decoupled mode.
+
+    Args:
+        current_log_prob: ``[B]`` (one trained SDE step, as the loss sees it)
+            or ``[B, T]`` (whole rows) current-policy log-probs; may carry a
+            gradient, which is not followed.
+        behaviour_log_prob: same shape, the rollout (behaviour) log-probs.
+        config: the ``rollout_correction`` config (as for :func:`compute_rollout_correction`).
+        mask: valid steps, same shape, or None (all valid).
+
+    Returns ``[B]`` tensors for ``[B]`` inputs. A ``[B]`` input is a single
+    step, not a row: sequence-level options are refused for it.
+    """
+    if current_log_prob.shape != behaviour_log_prob.shape or current_log_prob.ndim not in (1, 2):
+        raise ValueError(f"`current_log_prob` {tuple(current_log_prob.shape)} and `behaviour_log_prob` "
+                         f"{tuple(behaviour_log_prob.shape)} must both be [B] (one SDE step) or [B, T].")
+    one_step = current_log_prob.ndim == 1
+    if one_step:
+        seq = sequence_level_options(config)
+        if seq:
+            raise ValueError(f"`{_PATH}.bypass_mode` = true with {', '.join(seq)}: in bypass mode the correction "
+                             "is computed inside the loss, which sees one SDE step at a time, so the current "
+                             "policy's log-probs of the other steps of a sample are not available. Use token-level "
+                             "options (rollout_is=token, token_k* criteria) or bypass_mode=false.")
+        current_log_prob, behaviour_log_prob = current_log_prob[:, None], behaviour_log_prob[:, None]
+        mask = None if mask is None else mask[:, None]
+    res, is_keep = _correction(current_log_prob.detach(), behaviour_log_prob.detach(), mask, config)
+    weights = res.rs_mask * is_keep.to(res.rs_mask.dtype)
+    if one_step:
+        return RolloutCorrectionResult(weights[:, 0], res.rs_mask[:, 0], res.metrics, res.is_weights[:, 0])
+    return RolloutCorrectionResult(weights, res.rs_mask, res.metrics, res.is_weights)
+
+
+def _correction(old_log_prob, behaviour_log_prob, mask, config) -> tuple[RolloutCorrectionResult, torch.Tensor]:
+    """:func:`compute_rollout_correction` plus the IS keep mask (valid and, for ``"lo_hi"``, inside the bounds)."""
     if old_log_prob.shape != behaviour_log_prob.shape or old_log_prob.ndim != 2:
         raise ValueError(f"`old_log_prob` {tuple(old_log_prob.shape)} and `behaviour_log_prob` "
                          f"{tuple(behaviour_log_prob.shape)} must both be [B, T] (T = trained SDE steps).")
@@ -250,6 +331,7 @@ def compute_rollout_correction(
     lr_safe = lr.clamp(-SAFETY_BOUND, SAFETY_BOUND)
 
     # 2. IS weights: token or sequence, truncate or mask, optional batch normalisation.
+    is_keep = valid.clone()
     if rollout_is is None:
         is_w = m.clone()
     else:
@@ -262,7 +344,8 @@ def compute_rollout_correction(
         if lo is None:
             is_w = raw.clamp(max=hi)
         else:
-            is_w = torch.where((raw >= lo) & (raw <= hi), raw, torch.zeros_like(raw))
+            is_keep &= (raw >= lo) & (raw <= hi)
+            is_w = torch.where(is_keep, raw, torch.zeros_like(raw))
         if _get(config, "rollout_is_batch_normalize", False):
             if rollout_is == "token":
                 norm = _masked_mean(is_w, m)
@@ -292,4 +375,4 @@ def compute_rollout_correction(
         "rollout_corr/is_weight_max": float(is_w.masked_fill(~valid, -torch.inf).max()),
         "rollout_corr/rs_reject_frac": float(_masked_mean(1.0 - rs_mask, m)),
     })
-    return RolloutCorrectionResult(weights, rs_mask, metrics, is_w)
+    return RolloutCorrectionResult(weights, rs_mask, metrics, is_w), is_keep

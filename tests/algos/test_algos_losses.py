@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from omnirl_async.algos import (
     FlowGRPOLoss,
     GRPOGuardLoss,
     KLLoss,
+    compute_rollout_correction,
     get_diffusion_loss_fn,
     register_diffusion_loss,
 )
@@ -302,3 +305,163 @@ def test_custom_loss_registration_and_actor_config_optional():
     assert res.loss.item() == 0.0
     with pytest.raises(ValueError, match="already registered"):
         register_diffusion_loss("test_only_zero")(FlowGRPOLoss)
+
+
+# ---- rollout correction in bypass mode (computed in the loss, current vs behaviour) ---------------------------
+
+def rc(**kw):
+    base = dict(rollout_is=None, rollout_is_threshold=2.0, rollout_is_batch_normalize=False,
+                rollout_rs=None, rollout_rs_threshold=None, bypass_mode=True)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+BYPASS_RS = dict(rollout_rs="token_k1", rollout_rs_threshold=1.2)
+# the "IS weights are reported, not multiplied in" notice of bypass mode (checked in its own test)
+pytestmark = pytest.mark.filterwarnings("ignore:`algorithm.rollout_correction.bypass_mode` = true:UserWarning")
+
+
+def _off_policy_batch(seed=0, n=32, spread=0.25):
+    """Behaviour log-probs (stored as old in bypass mode) and current ones that differ by ~spread."""
+    g = torch.Generator().manual_seed(seed)
+    beh = torch.randn(n, generator=g, dtype=torch.float64)
+    lp = (beh + spread * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = 3.0 * torch.randn(n, generator=g, dtype=torch.float64)
+    mean = torch.randn(n, 2, 3, generator=g, dtype=torch.float64).requires_grad_(True)
+    sig = torch.linspace(0.4, 0.9, n, dtype=torch.float64)
+    dt = torch.full((n,), -0.1, dtype=torch.float64)
+    mo = dict(log_prob=lp, mean=mean, std=sig * torch.sqrt(-dt), sig=sig, dt=dt)
+    data = dict(old_log_prob=beh, advantages=adv, old_mean=mean.detach().clone())
+    return mo, data
+
+
+LOSSES = [(FlowGRPOLoss, LossCfg(clip_ratio=1e-4)), (GRPOGuardLoss, LossCfg(clip_ratio=2e-6)),
+          (FlowDPPOLoss, LossCfg())]
+
+
+@pytest.mark.parametrize("cls, lcfg", LOSSES)
+def test_bypass_rejects_against_current_policy_and_no_gradient_through_weights(cls, lcfg):
+    mo, data = _off_policy_batch()
+    data_before = dict(data)
+    res = cls(lcfg, actor(rollout_correction=rc(rollout_is="token", rollout_is_threshold=1.5, **BYPASS_RS)))(mo, data)
+    assert data == data_before  # the caller's dict is not changed
+
+    lr = (mo["log_prob"].detach() - data["old_log_prob"]).numpy()
+    keep = (-lr >= np.log(1 / 1.2)) & (-lr <= np.log(1.2))  # token_k1, threshold 1.2: 1/1.2 <= r <= 1.2
+    assert 0 < keep.sum() < len(keep)
+    # the loss is the plain loss with rejected samples zeroed (still in the mean's denominator)
+    mo_plain = {k: (v.detach().clone().requires_grad_(True) if v.requires_grad else v) for k, v in mo.items()}
+    plain = cls(lcfg, actor())(mo_plain, dict(data, is_weights=torch.tensor(keep, dtype=torch.float64)))
+    torch.testing.assert_close(res.loss, plain.loss)
+    res.loss.backward()
+    plain.loss.backward()
+    g = mo["log_prob"].grad
+    assert torch.all(g[torch.tensor(~keep)] == 0)
+    torch.testing.assert_close(g, mo_plain["log_prob"].grad)  # the keep mask is a constant: no gradient through it
+    torch.testing.assert_close(mo["mean"].grad, mo_plain["mean"].grad)
+    # metrics: current vs behaviour, under the decoupled names
+    w = np.minimum(np.exp(lr), 1.5)
+    m = res.metrics
+    assert m["rollout_corr/kl"] == pytest.approx(float(np.mean(-lr)))
+    assert m["rollout_corr/is_weight_mean"] == pytest.approx(float(np.mean(w)))
+    assert m["rollout_corr/rs_reject_frac"] == pytest.approx(float(np.mean(~keep)))
+    assert m["rollout_corr/rs_token_k1_reject_frac"] == pytest.approx(float(np.mean(~keep)))
+    assert "actor/pg_loss" in m
+
+
+@pytest.mark.parametrize("cls, lcfg", [(FlowGRPOLoss, LossCfg(clip_ratio=10.0)), (FlowDPPOLoss, LossCfg())])
+@pytest.mark.parametrize("corr", [
+    dict(rollout_is="token", rollout_is_threshold=1e3, **BYPASS_RS),
+    dict(rollout_is="token", rollout_is_threshold="0.85_1.3", rollout_rs="token_k3", rollout_rs_threshold=0.02),
+])
+def test_bypass_loss_equals_decoupled_loss_when_current_equals_proximal(cls, lcfg, corr):
+    """Decoupled: ratio current/proximal = 1, weight w = proximal/behaviour (x RS). Bypass: ratio current/behaviour
+    = w, RS mask from current vs behaviour. With current == proximal and no clipping or truncation biting, the two
+    give the same loss and gradient: bypass rejects the same samples, and its ratio carries the IS weight (which is
+    why the weight values are not multiplied in again)."""
+    mo, data = _off_policy_batch(seed=1)
+    beh, current = data["old_log_prob"], mo["log_prob"]
+    dec_rc = compute_rollout_correction(current.detach()[:, None], beh[:, None], None, rc(bypass_mode=False, **corr))
+    mo_dec = {k: (v.detach().clone().requires_grad_(True) if v.requires_grad else v) for k, v in mo.items()}
+    dec = cls(lcfg, actor())(mo_dec, dict(data, old_log_prob=current.detach().clone(),
+                                          is_weights=dec_rc.weights[:, 0]))
+    byp = cls(lcfg, actor(rollout_correction=rc(**corr)))(mo, data)
+    rejected = dec_rc.weights[:, 0] == 0
+    assert 0 < int(rejected.sum()) < len(rejected)
+    torch.testing.assert_close(byp.loss, dec.loss)
+    byp.loss.backward()
+    dec.loss.backward()
+    torch.testing.assert_close(current.grad, mo_dec["log_prob"].grad)
+    assert torch.all(current.grad[rejected] == 0)
+    for k, v in dec_rc.metrics.items():
+        assert byp.metrics[k] == pytest.approx(v), k
+    # multiplying the IS values in as well would count the ratio twice: a different gradient
+    w = dec_rc.is_weights[:, 0]
+    assert not torch.allclose(current.grad * w, mo_dec["log_prob"].grad)
+
+
+@pytest.mark.parametrize("cls, lcfg", LOSSES)
+def test_bypass_current_equals_behaviour_changes_nothing(cls, lcfg):
+    mo, data = _off_policy_batch()
+    mo["log_prob"] = data["old_log_prob"].clone().requires_grad_(True)
+    corr = rc(rollout_is="token", rollout_is_threshold="0.9_1.1", rollout_rs="token_k1,token_k2",
+              rollout_rs_threshold="1.01,1e-6")
+    byp = cls(lcfg, actor(rollout_correction=corr))(mo, data)
+    plain = cls(lcfg, actor())(mo, data)
+    assert torch.equal(byp.loss, plain.loss)
+    m = byp.metrics
+    assert m["rollout_corr/rs_reject_frac"] == 0.0 and m["rollout_corr/kl"] == 0.0
+    assert m["rollout_corr/is_weight_mean"] == 1.0 and m["rollout_corr/is_weight_max"] == 1.0
+
+
+def test_bypass_multiplies_given_is_weights_and_decoupled_mode_is_untouched():
+    mo, data = _off_policy_batch()
+    given = torch.linspace(0.5, 1.5, 32, dtype=torch.float64)
+    byp = FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(**BYPASS_RS)))(mo, dict(data, is_weights=given))
+    keep = compute_rollout_correction(mo["log_prob"].detach()[:, None], data["old_log_prob"][:, None], None,
+                                      rc(**BYPASS_RS)).weights[:, 0]
+    plain = FlowGRPOLoss(LossCfg(), actor())(mo, dict(data, is_weights=given * keep))
+    torch.testing.assert_close(byp.loss, plain.loss)
+    # decoupled mode: the loss applies data['is_weights'] as given and reports no rollout_corr metric
+    dec = FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(bypass_mode=False, **BYPASS_RS)))
+    assert dec.bypass_correction is None
+    res = dec(mo, dict(data, is_weights=given))
+    torch.testing.assert_close(res.loss, FlowGRPOLoss(LossCfg(), actor())(mo, dict(data, is_weights=given)).loss)
+    assert not any(k.startswith("rollout_corr/") for k in res.metrics)
+    with pytest.raises(ValueError, match="is_weights"):
+        FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(**BYPASS_RS)))(mo, dict(data, is_weights=given[:3]))
+
+
+def test_bypass_options_checked_at_construction():
+    with pytest.raises(ValueError, match="one SDE step at a time"):
+        FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(rollout_rs="seq_mean_k1", rollout_rs_threshold=1.2)))
+    with pytest.raises(ValueError, match="rollout_is=sequence"):
+        FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(rollout_is="sequence")))
+    with pytest.raises(ValueError, match="rollout_rs_threshold"):
+        FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(rollout_rs="token_k2")))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(rollout_is="token")))
+    assert any("reported" in str(w.message) and "not" in str(w.message) for w in rec)
+    # decoupled mode accepts sequence-level options (the learner applies them to whole rows)
+    assert FlowGRPOLoss(LossCfg(), actor(rollout_correction=rc(bypass_mode=False, rollout_is="sequence"))
+                        ).bypass_correction is None
+
+
+def test_bypass_leaves_losses_without_a_ratio_alone():
+    mo, _ = _batch()
+    kl = KLLoss(LossCfg(), actor(rollout_correction=rc(**BYPASS_RS)))
+    assert kl.bypass_correction is None
+    torch.testing.assert_close(kl(mo, {}).loss, KLLoss(LossCfg())(mo, {}).loss)
+
+
+def test_bypass_reads_the_actor_mirror_of_the_real_config():
+    from omnirl_async.config import load_config
+
+    on = load_config(["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_rs=token_k1",
+                      "algorithm.rollout_correction.rollout_rs_threshold=1.2"])
+    a = on.actor_rollout_ref.actor
+    assert FlowGRPOLoss(a.diffusion_loss, a).bypass_correction.rollout_rs == "token_k1"
+    off = load_config(["algorithm.rollout_correction.rollout_rs=token_k1",
+                       "algorithm.rollout_correction.rollout_rs_threshold=1.2"]).actor_rollout_ref.actor
+    assert FlowGRPOLoss(off.diffusion_loss, off).bypass_correction is None

@@ -6,13 +6,14 @@ import math
 import warnings
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnirl_async.algos import compute_rollout_correction
-from omnirl_async.algos.rollout_correction import RS_CRITERIA
+from omnirl_async.algos.rollout_correction import RS_CRITERIA, RolloutCorrectionResult, compute_bypass_correction
 
 
 def cfg(**kw):
@@ -231,3 +232,142 @@ def test_shape_errors_and_mapping_config():
         compute_rollout_correction(old, beh, torch.zeros_like(mask), cfg())
     res = compute_rollout_correction(old, beh, mask, {"rollout_is": "token", "rollout_is_threshold": 2.0})
     torch.testing.assert_close(res.weights, torch.exp(old - beh).clamp(max=2.0) * mask)
+
+
+# ---- bypass mode: current policy (detached) vs behaviour, computed in the loss ---------------------------------
+
+# every option that makes sense per SDE step, and the sequence-level ones (whole rows only)
+TOKEN_CONFIGS = [
+    cfg(bypass_mode=True),
+    cfg(bypass_mode=True, rollout_is="token", rollout_is_threshold=1.3),
+    cfg(bypass_mode=True, rollout_is="token", rollout_is_threshold="0.8_1.25"),
+    cfg(bypass_mode=True, rollout_is="token", rollout_is_threshold=1.5, rollout_is_batch_normalize=True),
+    cfg(bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold=1.3),
+    cfg(bypass_mode=True, rollout_rs="token_k2,token_k3", rollout_rs_threshold="0.05,0.04"),
+    cfg(bypass_mode=True, rollout_is="token", rollout_is_threshold="0.7_1.5",
+        rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.75_1.2,0.05"),
+]
+SEQUENCE_CONFIGS = [
+    cfg(bypass_mode=True, rollout_is="sequence", rollout_is_threshold=3.0, rollout_is_batch_normalize=True),
+    cfg(bypass_mode=True, rollout_is="token", rollout_rs="seq_mean_k1,seq_max_k2", rollout_rs_threshold="1.2,0.1"),
+    cfg(bypass_mode=True, rollout_is="sequence", rollout_is_threshold="0.3_3.0",
+        rollout_rs="seq_sum_k3", rollout_rs_threshold=0.15),
+]
+
+
+def _assert_same_correction(byp, dec, decoupled_keep_zeroes=True):
+    """Bypass (current = proximal) and decoupled agree on IS weights, RS mask, rejected set and metrics."""
+    torch.testing.assert_close(byp.is_weights, dec.is_weights, rtol=0, atol=0)
+    torch.testing.assert_close(byp.rs_mask, dec.rs_mask, rtol=0, atol=0)
+    # the same elements get weight 0 (RS, masked IS, padding) ...
+    assert torch.equal(byp.weights == 0, dec.weights == 0)
+    # ... and decoupled's multiplier is bypass's keep mask times the IS value, which bypass leaves to the ratio
+    torch.testing.assert_close(dec.weights, byp.weights * byp.is_weights, rtol=0, atol=0)
+    assert set(byp.metrics) == set(dec.metrics)
+    for k, v in dec.metrics.items():
+        assert byp.metrics[k] == v, k
+
+
+@pytest.mark.parametrize("config", TOKEN_CONFIGS + SEQUENCE_CONFIGS)
+def test_bypass_equals_decoupled_when_current_equals_proximal_whole_rows(config):
+    prox, beh, mask = _logps(scale=0.3)
+    current = prox.clone().requires_grad_(True)  # current policy == proximal policy, as at the first mini-batch
+    dec = compute_rollout_correction(prox, beh, mask, config)
+    byp = compute_bypass_correction(current, beh, config, mask)
+    _assert_same_correction(byp, dec)
+    rejected = (dec.weights == 0) & mask
+    if config.rollout_rs is not None or isinstance(config.rollout_is_threshold, str):
+        assert rejected.any() and (mask & ~rejected).any(), "the case should both keep and reject steps"
+
+
+@pytest.mark.parametrize("config", TOKEN_CONFIGS)
+def test_bypass_per_step_equals_decoupled_column(config):
+    """What the loss sees: one SDE step [B] at a time. Token-level options give decoupled's column t
+    (batch normalisation is over what one call sees, so it is compared on a one-step batch)."""
+    prox, beh, _ = _logps(scale=0.3, b=64, t=3)
+    for t in range(prox.shape[1]):
+        dec = compute_rollout_correction(prox[:, t:t + 1], beh[:, t:t + 1], None, config)
+        byp = compute_bypass_correction(prox[:, t].clone().requires_grad_(True), beh[:, t], config)
+        assert byp.weights.shape == (64,)
+        _assert_same_correction(byp, RolloutCorrectionResult(dec.weights[:, 0], dec.rs_mask[:, 0], dec.metrics,
+                                                             dec.is_weights[:, 0]))
+    if not config.rollout_is_batch_normalize:  # without normalisation a column of the whole batch is the same
+        full = compute_rollout_correction(prox, beh, None, config)
+        for t in range(prox.shape[1]):
+            byp = compute_bypass_correction(prox[:, t], beh[:, t], config)
+            torch.testing.assert_close(byp.is_weights, full.is_weights[:, t], rtol=0, atol=0)
+            torch.testing.assert_close(byp.rs_mask, full.rs_mask[:, t], rtol=0, atol=0)
+            assert torch.equal(byp.weights == 0, full.weights[:, t] == 0)
+
+
+def test_bypass_compares_current_with_behaviour_direct_numpy():
+    """Bypass: old := behaviour, current != behaviour. The correction is current vs behaviour (numpy formula);
+    the old-vs-behaviour correction the learner used to compute is the identity; no gradient in the outputs."""
+    g = np.random.default_rng(3)
+    beh_np = g.normal(size=(40,))
+    cur_np = beh_np + 0.25 * g.normal(size=(40,))
+    config = cfg(bypass_mode=True, rollout_is="token", rollout_is_threshold="0.9_1.4",
+                 rollout_rs="token_k1,token_k3", rollout_rs_threshold="0.7_1.25,0.03")
+    beh = torch.tensor(beh_np)
+    cur = torch.tensor(cur_np, requires_grad=True)
+    res = compute_bypass_correction(cur * 1.0, beh, config)  # a non-leaf with a graph, as in the loss
+
+    lr = cur_np - beh_np
+    r = np.exp(lr)
+    is_keep = (r >= 0.9) & (r <= 1.4)
+    w = np.where(is_keep, r, 0.0)
+    k1_keep = (-lr >= np.log(0.7)) & (-lr <= np.log(1.25))
+    k3 = r - 1.0 - lr
+    k3_keep = k3 <= 0.03
+    keep = k1_keep & k3_keep
+    np.testing.assert_allclose(res.is_weights.numpy(), w, rtol=1e-12)
+    np.testing.assert_array_equal(res.rs_mask.numpy(), keep.astype(float))
+    np.testing.assert_array_equal(res.weights.numpy(), (keep & is_keep).astype(float))
+    assert 0 < keep.sum() < 40 and (keep & ~is_keep).any()  # both kinds of rejection were exercised
+    m = res.metrics
+    assert m["rollout_corr/kl"] == pytest.approx(float(np.mean(-lr)))
+    assert m["rollout_corr/k3_kl"] == pytest.approx(float(np.mean(k3)))
+    assert m["rollout_corr/logprob_abs_diff_mean"] == pytest.approx(float(np.mean(np.abs(lr))))
+    assert m["rollout_corr/logprob_abs_diff_max"] == pytest.approx(float(np.max(np.abs(lr))))
+    assert m["rollout_corr/is_weight_mean"] == pytest.approx(float(np.mean(w)))
+    assert m["rollout_corr/is_weight_max"] == pytest.approx(float(np.max(w)))
+    assert m["rollout_corr/rs_reject_frac"] == pytest.approx(float(np.mean(~keep)))
+    assert m["rollout_corr/rs_token_k1_reject_frac"] == pytest.approx(float(np.mean(~k1_keep)))
+    assert m["rollout_corr/rs_token_k3_reject_frac"] == pytest.approx(float(np.mean(~k3_keep)))
+    # no gradient through the correction
+    for t in (res.weights, res.rs_mask, res.is_weights):
+        assert not t.requires_grad and t.grad_fn is None
+    # what bypass mode did before: proximal := behaviour, compared with itself -> nothing at all
+    old = compute_rollout_correction(beh[:, None], beh[:, None], None, config)
+    assert torch.equal(old.weights, torch.ones(40, 1, dtype=beh.dtype))
+
+
+@pytest.mark.parametrize("config", TOKEN_CONFIGS)
+def test_bypass_current_equals_behaviour_is_identity(config):
+    _, beh, mask = _logps()
+    for t in range(beh.shape[1]):
+        res = compute_bypass_correction(beh[:, t].clone().requires_grad_(True), beh[:, t].clone(), config)
+        assert torch.equal(res.weights, torch.ones(5, dtype=beh.dtype))
+        assert torch.equal(res.rs_mask, torch.ones(5, dtype=beh.dtype))
+        assert torch.equal(res.is_weights, torch.ones(5, dtype=beh.dtype))
+        assert res.metrics["rollout_corr/kl"] == 0.0 and res.metrics["rollout_corr/rs_reject_frac"] == 0.0
+        assert res.metrics["rollout_corr/is_weight_mean"] == 1.0
+    res = compute_bypass_correction(beh, beh.clone(), config, mask)
+    assert torch.equal(res.weights, mask.to(beh.dtype)) and torch.equal(res.rs_mask, mask.to(beh.dtype))
+
+
+@pytest.mark.parametrize("config", SEQUENCE_CONFIGS)
+def test_bypass_refuses_sequence_options_for_one_step(config):
+    _, beh, _ = _logps()
+    with pytest.raises(ValueError, match="one SDE step at a time") as e:
+        compute_bypass_correction(beh[:, 0], beh[:, 0], config)
+    msg = str(e.value)
+    assert "bypass_mode" in msg and ("rollout_is=sequence" in msg or "rollout_rs=seq_" in msg)
+
+
+def test_bypass_shape_errors():
+    _, beh, _ = _logps()
+    with pytest.raises(ValueError, match=r"\[B\]"):
+        compute_bypass_correction(beh[:, 0], beh[:, :2], cfg(bypass_mode=True))
+    with pytest.raises(ValueError, match=r"\[B\]"):
+        compute_bypass_correction(beh[None], beh[None], cfg(bypass_mode=True))

@@ -42,6 +42,7 @@ def test_short_fixed_step_run_saves_a_loadable_pipeline(tmp_path):
     assert image.shape == (1, 32, 32, 3) and image.dtype == np.uint8
 
 
+@pytest.mark.slow
 def test_two_data_parallel_processes_train_in_step_and_save_once(tmp_path):
     """2 gloo processes: rank 0's plan is shared, gradients are averaged, weights end bit-identical."""
     from omnirl_async.models.policy import FlowMatchPolicy

@@ -100,6 +100,7 @@ def test_documented_evaluation_follows_geneval_protocol():
 OVERALL_TOLERANCE = 0.03
 
 
+@pytest.mark.slow
 def test_base_accuracy_leaves_room_for_rl(policy):
     """Issue 3: held-out strict accuracy of the base model in [20 %, 60 %], measured here with fixed seeds.
 

@@ -30,7 +30,7 @@ def _fit(cfg, **kw):
     return trainer, summary
 
 
-@pytest.mark.parametrize("threshold", [0, 1])
+@pytest.mark.parametrize("threshold", [pytest.param(0, marks=pytest.mark.slow), 1])
 def test_wait_keeps_every_lag_within_the_threshold_and_drops_nothing(ray_cluster, small_overrides, tmp_path,
                                                                      threshold):
     cfg = _cfg(small_overrides, tmp_path, "trainer.total_training_steps=6",

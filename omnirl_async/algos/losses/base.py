@@ -23,17 +23,31 @@ any arithmetic, so a missing tensor fails with its name instead of a
 Configs are duck-typed: ``loss_config`` needs the ``DiffusionLossConfig``
 attributes a loss reads (``clip_ratio``, ``adv_clip_max``, ...), and
 ``actor_config`` the actor extras (``use_kl_loss``, ``kl_loss_coef``,
-``loss_scale_factor``); a missing ``actor_config`` means all extras off.
+``loss_scale_factor``, ``rollout_correction``); a missing ``actor_config``
+means all extras off.
+
+Rollout correction in bypass mode (``actor_config.rollout_correction.bypass_mode``):
+there ``data['old_log_prob']`` *is* the behaviour log-prob, and
+:meth:`DiffusionLossFn.__call__` computes the correction before :meth:`compute`
+from ``(model_output['log_prob'].detach(), data['old_log_prob'])`` with
+:func:`~omnirl_async.algos.rollout_correction.compute_bypass_correction`:
+its keep mask (RS and masked-IS rejections) multiplies ``data['is_weights']``,
+the same slot that carries the decoupled-mode weights, and its
+``rollout_corr/*`` metrics join the loss's metrics. No gradient flows through
+the mask; the IS weight values are reported only (the ratio is the IS term).
 """
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from enum import Enum
 from typing import ClassVar, NamedTuple
 
 import torch
+
+from omnirl_async.algos.rollout_correction import compute_bypass_correction
 
 __all__ = [
     "DiffusionLossResult",
@@ -82,6 +96,7 @@ class DiffusionLossFn(ABC):
         if scale is not None and not float(scale) > 0:
             raise ValueError(f"`{_ACTOR_PATH}.loss_scale_factor` = {scale!r}: must be > 0, or null to disable.")
         self.loss_scale_factor = None if scale is None else float(scale)
+        self.bypass_correction = self._bypass_correction_config()
 
     # --- config helpers -------------------------------------------------
     def _loss_opt(self, key: str, *, gt: float | None = None, ge: float | None = None) -> float:
@@ -100,6 +115,24 @@ class DiffusionLossFn(ABC):
             return default
         return getattr(self.actor_config, key, default)
 
+    def _bypass_correction_config(self):
+        """``actor_config.rollout_correction`` when it sets ``bypass_mode`` and this loss has a ratio against
+        ``old_log_prob`` (validated now), else None. Losses without one (e.g. :class:`KLLoss`) are not corrected."""
+        rc = self._actor_opt("rollout_correction", None)
+        get = rc.get if isinstance(rc, Mapping) else (lambda k, d=None: getattr(rc, k, d))
+        if rc is None or not get("bypass_mode", False):
+            return None
+        if "log_prob" not in self.model_output_keys or "old_log_prob" not in self.data_keys:
+            return None
+        probe = torch.zeros(1, dtype=torch.float32)
+        compute_bypass_correction(probe, probe, rc)  # bad options fail at construction, with their names
+        if get("rollout_is", None) is not None:
+            warnings.warn("`algorithm.rollout_correction.bypass_mode` = true: the IS weights (rollout_is) of the "
+                          "current vs the behaviour policy are reported as rollout_corr/is_weight_* but not "
+                          "multiplied into the loss, whose ratio pi_theta/pi_behaviour already is that IS term; "
+                          "masked IS ('lo_hi') and rollout_rs still drop steps.", stacklevel=3)
+        return rc
+
     # --- call protocol --------------------------------------------------
     def check_inputs(self, model_output: Mapping, data: Mapping) -> None:
         """Raise ``KeyError`` naming the loss, the missing key and the dict it belongs in."""
@@ -117,10 +150,28 @@ class DiffusionLossFn(ABC):
 
     def __call__(self, model_output: Mapping, data: Mapping) -> DiffusionLossResult:
         self.check_inputs(model_output, data)
+        corr_metrics: dict[str, float] = {}
+        if self.bypass_correction is not None:
+            data, corr_metrics = self._apply_bypass_correction(model_output, data)
         result = self.compute(model_output, data)
         if self.loss_scale_factor is not None:
             result = DiffusionLossResult(result.loss * self.loss_scale_factor, result.metrics)
+        if corr_metrics:
+            result = DiffusionLossResult(result.loss, {**result.metrics, **corr_metrics})
         return result
+
+    def _apply_bypass_correction(self, model_output: Mapping, data: Mapping) -> tuple[dict, dict[str, float]]:
+        """Bypass mode: ``data`` with ``is_weights`` times the keep mask of current (detached) vs behaviour."""
+        log_prob, behaviour = model_output["log_prob"], data["old_log_prob"]  # both checked by check_inputs
+        rc = compute_bypass_correction(log_prob.detach(), behaviour.detach(), self.bypass_correction)
+        keep = rc.weights
+        w = data.get("is_weights")
+        if w is not None:
+            if w.shape != keep.shape:
+                raise ValueError(f"`data['is_weights']` shape {tuple(w.shape)} != `model_output['log_prob']` "
+                                 f"shape {tuple(keep.shape)}; pass one weight per sample of this step.")
+            keep = w.detach().to(keep.dtype) * keep
+        return {**data, "is_weights": keep}, rc.metrics
 
     @abstractmethod
     def compute(self, model_output: Mapping, data: Mapping) -> DiffusionLossResult:
