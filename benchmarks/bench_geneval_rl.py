@@ -65,9 +65,9 @@ def _scalars(log_dir: Path, tag: str):
 def evaluate(cfg, lora: Path | None, prompts, seed: int):
     import dataclasses
 
-    from omnirl_async.learners.learner import build_policy, pick_device
+    from omnirl_async.models.evaluate import evaluate_policy
+    from omnirl_async.models.setup import build_policy, pick_device
     from omnirl_async.rewards import RewardManager
-    from omnirl_async.trainer.validation import evaluate_policy
 
     model_cfg = cfg.actor_rollout_ref.model
     if lora is not None:
@@ -129,8 +129,8 @@ def main(argv=None) -> int:
 
     from omnirl_async.config import load_config
     from omnirl_async.data.prompts import heldout_prompts
+    from omnirl_async.models.evaluate import save_grid
     from omnirl_async.trainer.task_runner import TaskRunner
-    from omnirl_async.trainer.validation import save_grid
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,6 +5,10 @@
                                                  score the held-out prompts, save an image grid
     omnirl-async config [key=value ...]          print the resolved, validated config
     omnirl-async build-tiny {sd3,flux} DIR       write a tiny random-weight pipeline folder
+    omnirl-async export CKPT --out DIR [--base MODEL] [--check]
+                                                 write a checkpoint's LoRA as a diffusers LoRA
+                                                 (pytorch_lora_weights.safetensors) loadable with
+                                                 pipe.load_lora_weights(DIR)
 
 Overrides use Hydra's grammar and the key paths of VeRL-Omni
 (``actor_rollout_ref.rollout.n=8``, ``trainer.v1.trainer_mode=sync``).
@@ -56,10 +60,10 @@ def cmd_eval(args) -> int:
 
     import torch
 
-    from omnirl_async.learners.learner import build_policy, pick_device
+    from omnirl_async.data.prompts import load_val_prompts
+    from omnirl_async.models.evaluate import evaluate_policy, save_grid
+    from omnirl_async.models.setup import build_policy, pick_device
     from omnirl_async.rewards import RewardManager
-    from omnirl_async.trainer.task_runner import load_val_prompts
-    from omnirl_async.trainer.validation import evaluate_policy, save_grid
 
     cfg = _load(args)
     torch.set_num_threads(args.threads)
@@ -109,6 +113,28 @@ def cmd_build_tiny(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    from omnirl_async.models.export import export_lora, load_in_diffusers
+    from omnirl_async.preflight import InputError
+
+    if args.check and not args.base:
+        raise InputError("export: --check needs --base (the model the LoRA was trained on) to load the LoRA into.")
+    res = export_lora(args.ckpt, args.out, base=args.base)
+    print(f"wrote {res.weights}")
+    print(f"  {res.pipeline_class} LoRA: {res.num_modules} transformer modules, rank {res.rank}, "
+          f"alpha {res.alpha:g}, from the PEFT adapter {res.source}")
+    if args.check:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+
+        pipe = load_in_diffusers(res.base, res.folder, pipeline_class=res.pipeline_class)
+        n = sum(isinstance(m, BaseTunerLayer) for m in pipe.transformer.modules())
+        print(f"  checked: plain diffusers load_lora_weights attached {n} LoRA layers "
+              f"(adapters {pipe.get_active_adapters()})")
+    print("\nload it with diffusers:\n")
+    print(res.snippet())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omnirl-async", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -132,6 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_build_tiny)
+    p = sub.add_parser("export", help="write a checkpoint's LoRA in diffusers' format (load_lora_weights)")
+    p.add_argument("ckpt", metavar="CKPT",
+                   help="checkpoint step folder (global_step_N), its lora/ folder, or a PEFT adapter folder")
+    p.add_argument("--out", required=True, help="folder for pytorch_lora_weights.safetensors (created if missing)")
+    p.add_argument("--base", default=None,
+                   help="base model the LoRA was trained on (pipeline folder or embedded:NAME); fills the snippet")
+    p.add_argument("--check", action="store_true",
+                   help="load --base with plain diffusers plus the export and check LoRA layers were attached")
+    p.set_defaults(fn=cmd_export)
     return parser
 
 

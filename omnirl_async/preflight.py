@@ -1,43 +1,38 @@
-"""Check the files and folders a config points at before Ray starts.
+"""Input errors and the checks of single user files: the bottom of the driver's preflight.
 
 A validated config can still name a prompt file that is a directory, a LoRA
 folder holding garbage or a reward file with a syntax error. Found inside Ray
 actors, such input costs many seconds of start-up and ends in a long traceback
-from every actor. :func:`check_inputs` looks at all of them in the driver, in
-well under a second, and raises one :class:`InputError` listing every problem;
-``TaskRunner.run`` calls it before ``init_ray`` and the CLI prints it as one
-message with exit code 2.
+from every actor. The driver's check,
+:func:`omnirl_async.trainer.input_checks.check_inputs`, looks at all of them
+before Ray starts, in well under a second, and raises one :class:`InputError`
+listing every problem; ``TaskRunner.run`` calls it before ``init_ray`` and the
+CLI prints it as one message with exit code 2.
 
-What is checked (each message names the config key, the file with its line
-where there is one, what is wrong and the fix):
+This module holds what the loaders of every layer share, so that they raise the
+same error the driver's check reports:
 
-* ``data.train_files`` / ``data.val_files`` - read with the prompt loader
-  itself (:func:`omnirl_async.data.prompts.read_prompts`), which raises
-  :class:`InputError` for a missing file, a directory, an unsupported
-  extension, bytes that are not UTF-8, invalid JSON, a row without the prompt
-  field, or a file without prompts.
-* ``actor_rollout_ref.model.path`` - an ``embedded:`` name the models package
-  knows, or a diffusers pipeline folder (``model_index.json`` naming a
-  supported pipeline, every listed component folder present).
-* ``actor_rollout_ref.model.lora_adapter_path`` - a PEFT folder whose
-  ``adapter_config.json`` parses and has the keys peft needs, and whose
-  ``adapter_model.safetensors`` has a readable header with lora_A / lora_B
-  tensors of the rank the config declares (header only, no tensor is loaded).
-* ``reward.custom_reward_function`` and every ``reward.reward_functions.*`` -
-  the file exists, is a ``.py`` file that compiles (a syntax error is reported
-  as ``file:line``) and binds the function name at module level, not to a
-  plain literal; entries without a path must name a registered reward.
-* ``trainer.v1.sampler.custom_sampler`` - the same for the sampler class.
-* ``trainer.resume_from_path`` (with ``trainer.resume_mode=resume_path``) - a
-  complete checkpoint folder.
+* :class:`InputError` - raised by the prompt-file readers
+  (:mod:`omnirl_async.data.prompts`), the custom-reward loader
+  (:mod:`omnirl_async.rewards.custom`) and every check;
+* :func:`check_lora_adapter` - a PEFT folder whose ``adapter_config.json``
+  parses and has the keys peft needs, and whose ``adapter_model.safetensors``
+  has a readable header with lora_A / lora_B tensors of the rank the config
+  declares (header only, no tensor is loaded; :func:`read_safetensors_header`);
+* :func:`check_python_file` / :func:`check_user_definition` - a custom reward or
+  sampler file exists, is a ``.py`` file that compiles (a syntax error is
+  reported as ``file:line``) and binds the wanted name at module level, not to
+  a plain literal.
 
 User Python files are compiled and read, never executed: a reward file may load
 a model onto the GPU at import time, which the driver must not do. The loaders
 (:func:`omnirl_async.rewards.custom.load_custom_reward_fn`) run the same file
 checks, then execute the file where it is used.
 
-This module imports only the standard library at import time, so the loaders
-can import :class:`InputError` from it without a cycle.
+Layer: shared foundation. This module imports only the standard library, never
+another module of the package (tests/test_layers.py), so every layer can import
+:class:`InputError` from it without a cycle. Checks that need to know models,
+rewards or checkpoints live in :mod:`omnirl_async.trainer.input_checks`.
 """
 
 from __future__ import annotations
@@ -51,19 +46,13 @@ from typing import Any, Callable, Iterable
 
 __all__ = [
     "InputError",
-    "check_inputs",
-    "find_input_problems",
     "check_python_file",
     "check_user_definition",
-    "check_model_path",
     "check_lora_adapter",
     "read_safetensors_header",
-    "CHECKS",
 ]
 
 LORA_KEY = "actor_rollout_ref.model.lora_adapter_path"
-MODEL_KEY = "actor_rollout_ref.model.path"
-RESUME_KEY = "trainer.resume_from_path"
 #: Keys of ``adapter_config.json`` that loading a LoRA adapter relies on.
 ADAPTER_CONFIG_KEYS = ("r", "lora_alpha", "target_modules")
 #: safetensors refuses headers above 100 MB; anything bigger is not a safetensors file.
@@ -107,85 +96,6 @@ def _expand(value: str | os.PathLike) -> str:
     return os.path.abspath(os.path.expanduser(os.fspath(value)))
 
 
-# --------------------------------------------------------------------------- prompts
-def check_prompt_files(config) -> list[str]:
-    """``data.train_files`` and ``data.val_files``, read with the prompt loader."""
-    from omnirl_async.data.prompts import prompt_file_list, read_prompts
-
-    data = config.data
-    problems: list[str] = []
-    for key in ("train_files", "val_files"):
-        value = getattr(data, key)
-        if value is None:
-            continue
-        try:
-            files = prompt_file_list(value, key=f"data.{key}")
-        except InputError as err:
-            problems.extend(err.problems)
-            continue
-        for f in files:
-            problems += _problems_of(read_prompts, f, prompt_key=data.prompt_key, key=f"data.{key}")
-    return problems
-
-
-# --------------------------------------------------------------------------- model
-def check_model_path(path: Any, *, transformer_subfolder: str = "transformer", key: str = MODEL_KEY) -> None:
-    """Raise :class:`InputError` unless ``path`` names an embedded model or a usable pipeline folder."""
-    if not isinstance(path, str) or not path:
-        raise InputError(f"`{key}` = {path!r}: expected a local diffusers pipeline folder or an embedded model "
-                         "such as embedded:tiny-sd3.")
-    if path.startswith("embedded:"):
-        _check_embedded(path, key)
-        return
-    folder = Path(_expand(path))
-    _check_pipeline_folder(folder, key)
-    sub = folder / transformer_subfolder
-    if not (sub / "config.json").is_file():
-        raise InputError(f"`actor_rollout_ref.model.transformer_subfolder` = {transformer_subfolder!r}: {sub} has "
-                         f"no config.json; use the name of the folder inside {folder} that holds the saved "
-                         "diffusion transformer.")
-
-
-def _check_embedded(path: str, key: str) -> None:
-    from omnirl_async.models.resolve import EMBEDDED_MODELS, resolve_model_path
-
-    name = path.split(":", 1)[1]
-    if name not in EMBEDDED_MODELS:
-        raise InputError(f"`{key}` = {path!r}: unknown embedded model {name!r}; choose one of "
-                         f"{['embedded:' + m for m in EMBEDDED_MODELS]}, or give a local diffusers pipeline folder.")
-    if name == "shapes":  # shipped inside the package; the tiny models are built on first use
-        try:
-            resolve_model_path(path)
-        except (FileNotFoundError, ValueError) as err:
-            raise InputError(str(err)) from None
-
-
-def _check_pipeline_folder(folder: Path, key: str) -> None:
-    from omnirl_async.models.policy import SUPPORTED_PIPELINES
-
-    if not folder.exists():
-        raise InputError(f"`{key}`: model folder {folder} does not exist; give a local diffusers pipeline folder "
-                         "(with model_index.json) or an embedded model such as embedded:tiny-sd3.")
-    if not folder.is_dir():
-        raise InputError(f"`{key}`: {folder} is a file, not a model folder; give the diffusers pipeline folder "
-                         "that holds model_index.json.")
-    index_file = folder / "model_index.json"
-    if not index_file.is_file():
-        raise InputError(f"`{key}`: {folder} has no model_index.json, so it is not a diffusers pipeline folder; "
-                         "give the folder written by `save_pretrained` (model_index.json, transformer/, vae/, ...).")
-    index = _read_json_object(index_file, key, fix="copy the pipeline folder again")
-    class_name = index.get("_class_name")
-    if class_name not in SUPPORTED_PIPELINES:
-        raise InputError(f"`{key}`: {index_file} names a {class_name!r} pipeline; supported pipeline classes are "
-                         f"{sorted(SUPPORTED_PIPELINES)}.")
-    missing = [name for name, entry in index.items()
-               if not name.startswith("_") and isinstance(entry, list) and len(entry) == 2
-               and entry != [None, None] and not (folder / name).is_dir()]
-    if missing:
-        raise InputError(f"`{key}`: {index_file} lists the component(s) {missing} but {folder} has no folder for "
-                         "them; the copy or download is incomplete: copy the whole pipeline folder.")
-
-
 def _read_json_object(path: Path, key: str, *, fix: str) -> dict:
     """Parse ``path`` as a JSON object; problems name the file with line:column and end with ``fix``."""
     try:
@@ -200,11 +110,6 @@ def _read_json_object(path: Path, key: str, *, fix: str) -> dict:
     if not isinstance(value, dict):
         raise InputError(f"`{key}`: {path} holds a JSON {type(value).__name__}, not an object; {fix}.")
     return value
-
-
-def _check_model(config) -> list[str]:
-    model = config.actor_rollout_ref.model
-    return _problems_of(check_model_path, model.path, transformer_subfolder=model.transformer_subfolder)
 
 
 # --------------------------------------------------------------------------- LoRA adapter
@@ -348,13 +253,6 @@ def _check_lora_shapes(header: dict, config: dict, weights: Path, key: str) -> N
                          f"{_RESAVE}.")
 
 
-def _check_lora(config) -> list[str]:
-    folder = config.actor_rollout_ref.model.lora_adapter_path
-    if folder is None:
-        return []
-    return _problems_of(check_lora_adapter, folder)
-
-
 # --------------------------------------------------------------------------- user Python files
 def check_python_file(path: Any, *, key: str, wanted: str) -> str:
     """Return the absolute path of a readable ``.py`` file that compiles; else raise :class:`InputError`.
@@ -470,102 +368,3 @@ def check_user_definition(path: Any, name: Any, *, key: str, kind: str = "functi
         raise InputError(f"`{key}.name` = {name!r} in {full}:{binding.lineno} is a function, not a class; it must "
                          f"{must}.")
     return full
-
-
-def _check_rewards(config) -> list[str]:
-    reward = config.reward
-    crf = reward.custom_reward_function
-    problems: list[str] = []
-    if crf.path is not None:
-        problems += _problems_of(check_user_definition, crf.path, crf.name, key="reward.custom_reward_function")
-    for name, entry in (reward.reward_functions or {}).items():
-        key = f"reward.reward_functions.{name}"
-        fn_name = entry.get("name") or name
-        if entry.get("path") is not None:
-            problems += _problems_of(check_user_definition, entry["path"], fn_name, key=key)
-        else:
-            problems += _problems_of(_check_registered_reward, fn_name, key)
-    return problems
-
-
-def _check_registered_reward(name: Any, key: str) -> None:
-    from omnirl_async.rewards import registered_rewards
-
-    known = registered_rewards()
-    if name not in known:
-        raise InputError(f"`{key}.name` = {name!r} is not a registered reward; choose one of {known}, or set "
-                         f"`{key}.path` to a .py file that defines it.")
-
-
-def _check_sampler(config) -> list[str]:
-    custom = config.trainer.v1.sampler.custom_sampler
-    if custom.path is None:
-        return []
-    return _problems_of(check_user_definition, custom.path, custom.name, key="trainer.v1.sampler.custom_sampler",
-                        kind="class")
-
-
-# --------------------------------------------------------------------------- resume
-def check_resume_folder(path: Any, *, key: str = RESUME_KEY) -> None:
-    """Raise :class:`InputError` unless ``path`` is a complete checkpoint folder (``COMPLETE`` inside)."""
-    fix = "point it at a complete global_step_<N> folder under `trainer.default_local_dir`, or set " \
-          "`trainer.resume_mode=auto` (newest checkpoint there) or `disable`"
-    if not _is_path(path):
-        raise InputError(f"`{key}` = {path!r}: expected the path of a checkpoint folder; {fix}.")
-    folder = Path(_expand(path))
-    if not folder.exists():
-        raise InputError(f"`{key}`: checkpoint folder {folder} does not exist; {fix}.")
-    if not folder.is_dir():
-        raise InputError(f"`{key}`: {folder} is a file, not a checkpoint folder; {fix}.")
-    marker = _complete_marker()
-    if (folder / marker).is_file():
-        return
-    steps = sorted((d for d in folder.glob("global_step_*") if (d / marker).is_file()),
-                   key=lambda d: _step_number(d.name))
-    if steps:
-        raise InputError(f"`{key}`: {folder} holds checkpoints ({', '.join(d.name for d in steps)}) but is not "
-                         f"one itself; point it at one of them, e.g. {steps[-1]}.")
-    raise InputError(f"`{key}`: {folder} is not a complete checkpoint (no {marker} marker: the save was "
-                     f"interrupted, or this is not a global_step_<N> folder); {fix}.")
-
-
-def _complete_marker() -> str:
-    """The file a committed checkpoint folder holds (the checkpoint module's name for it, when it has one)."""
-    try:
-        from omnirl_async.trainer.checkpoint import COMPLETE
-    except Exception:  # noqa: BLE001 - an older or broken checkpoint module: fall back to the documented name
-        return "COMPLETE"
-    return COMPLETE if isinstance(COMPLETE, str) else "COMPLETE"
-
-
-def _step_number(name: str) -> int:
-    tail = name.rsplit("_", 1)[-1]
-    return int(tail) if tail.isdigit() else -1
-
-
-def _check_resume(config) -> list[str]:
-    trainer = config.trainer
-    if trainer.resume_mode != "resume_path":
-        return []
-    return _problems_of(check_resume_folder, trainer.resume_from_path)
-
-
-# --------------------------------------------------------------------------- entry points
-#: Every check: ``config -> list of problems``. Run in this order.
-CHECKS: tuple[Callable[[Any], list[str]], ...] = (
-    check_prompt_files, _check_model, _check_lora, _check_rewards, _check_sampler, _check_resume)
-
-
-def find_input_problems(config) -> list[str]:
-    """Run every check in :data:`CHECKS` on a validated config; return all problems (empty: all good)."""
-    problems: list[str] = []
-    for check in CHECKS:
-        problems.extend(check(config))
-    return problems
-
-
-def check_inputs(config) -> None:
-    """Raise one :class:`InputError` carrying every problem :func:`find_input_problems` finds."""
-    problems = find_input_problems(config)
-    if problems:
-        raise InputError(problems)

@@ -18,8 +18,8 @@ import ray
 
 from omnirl_async import cli
 from omnirl_async.config import load_config
-from omnirl_async.preflight import InputError, check_inputs, check_lora_adapter, find_input_problems, \
-    read_safetensors_header
+from omnirl_async.preflight import InputError, check_lora_adapter, read_safetensors_header
+from omnirl_async.trainer.input_checks import check_inputs, find_input_problems
 
 LORA = "actor_rollout_ref.model.lora_adapter_path"
 RESAVE = "save the adapter again with `save_lora` or `PeftModel.save_pretrained`"
@@ -337,7 +337,7 @@ def test_an_adapter_saved_by_save_lora_passes(tmp_path, tiny_sd3_path):
 
 
 def test_local_model_folder_checks(tmp_path, tiny_sd3_path, small_overrides):
-    from omnirl_async.preflight import check_model_path
+    from omnirl_async.trainer.input_checks import check_model_path
 
     check_model_path(str(tiny_sd3_path))  # a real pipeline folder passes
     broken = tmp_path / "model"

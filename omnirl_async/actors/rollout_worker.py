@@ -23,9 +23,9 @@ import numpy as np
 import torch
 
 from omnirl_async.actors.prompt_dispatcher import sample_seeds
-from omnirl_async.learners.learner import build_policy, pick_device
 from omnirl_async.models.sampler import sample_with_logprob
 from omnirl_async.models.sde_window import SDEWindow
+from omnirl_async.models.setup import build_policy, pick_device
 from omnirl_async.protocol import PromptLease, SampleMeta, SampleStatus, SampleTags, new_uid
 from omnirl_async.rewards import RewardManager
 from omnirl_async.rewards.worker_pool import RewardPool
@@ -195,7 +195,7 @@ class RolloutWorker:
 
     def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:
         """Score ``prompts`` with ``rollout.val_kwargs`` and the weights this worker holds."""
-        from omnirl_async.trainer.validation import evaluate_policy
+        from omnirl_async.models.evaluate import evaluate_policy
 
         res = evaluate_policy(self.policy, self.reward, prompts, self.rollout_cfg.val_kwargs, seed=seed,
                               negative_prompt=self.rollout_cfg.pipeline.negative_prompt)

@@ -3,8 +3,9 @@
 * :mod:`~omnirl_async.data.shapes` – prompt grammar, :class:`SceneSpec`, and a
   seeded numpy renderer of 32×32 scenes (the pretraining stream and the ground
   truth the ``tiny_geneval`` reward is tested against).
-* :mod:`~omnirl_async.data.prompts` – the fixed train / held-out prompt split
-  and the JSONL / text prompt-file format.
+* :mod:`~omnirl_async.data.prompts` – the fixed train / held-out prompt split,
+  the JSONL / text prompt-file format, and the readers of ``data.train_files`` /
+  ``data.val_files`` (:func:`load_train_prompts`, :func:`load_val_prompts`).
 """
 
 from omnirl_async.data.prompts import (
@@ -12,8 +13,11 @@ from omnirl_async.data.prompts import (
     HELDOUT_COMPOSITION,
     enumerate_prompts,
     heldout_prompts,
+    load_train_prompts,
+    load_val_prompts,
     prompt_category,
     prompt_split,
+    read_prompt_files,
     read_prompt_rows,
     read_prompts,
     train_prompts,
@@ -40,8 +44,11 @@ __all__ = [
     "HELDOUT_COMPOSITION",
     "enumerate_prompts",
     "heldout_prompts",
+    "load_train_prompts",
+    "load_val_prompts",
     "prompt_category",
     "prompt_split",
+    "read_prompt_files",
     "read_prompt_rows",
     "read_prompts",
     "train_prompts",

@@ -20,7 +20,9 @@ Prompt files
 are skipped. Anything else - a missing file, a directory, another extension,
 bytes that are not UTF-8, a line that is not JSON or has no prompt, a file
 without prompts - raises :class:`omnirl_async.preflight.InputError` naming the
-config key, the file and line, and the fix.
+config key, the file and line, and the fix. :func:`load_train_prompts` and
+:func:`load_val_prompts` read ``data.train_files`` / ``data.val_files`` (or,
+when null, the embedded training / held-out sets).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ __all__ = [
     "prompt_file_list",
     "read_prompt_rows",
     "read_prompts",
+    "read_prompt_files",
+    "load_train_prompts",
+    "load_val_prompts",
 ]
 
 CATEGORIES = ("single", "counting", "pair", "position")
@@ -253,6 +258,38 @@ def read_prompt_rows(path: str | os.PathLike, *, prompt_key: str = "prompt", key
 def read_prompts(path: str | os.PathLike, *, prompt_key: str = "prompt", key: str | None = None) -> list[str]:
     """Read just the prompt strings of a prompt file (see :func:`read_prompt_rows`)."""
     return [row[prompt_key] for row in read_prompt_rows(path, prompt_key=prompt_key, key=key)]
+
+
+def read_prompt_files(files: list[str], prompt_key: str, what: str) -> list[str]:
+    """Prompts from .jsonl (field ``prompt_key``) or .txt files, in order.
+
+    ``what`` is the config key that named the files; any problem is an
+    :class:`~omnirl_async.preflight.InputError` naming it, the file and line.
+    """
+    prompts: list[str] = []
+    for f in files:
+        prompts.extend(read_prompts(f, prompt_key=prompt_key, key=what))
+    return prompts
+
+
+def load_train_prompts(data_cfg) -> list[str]:
+    """Training prompts: ``data.train_files`` or the embedded shapes training prompts."""
+    files = data_cfg.train_files
+    if files is None:
+        return train_prompts()
+    return read_prompt_files(prompt_file_list(files, key="data.train_files"), data_cfg.prompt_key,
+                             "data.train_files")
+
+
+def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
+    """Validation prompts: ``data.val_files`` or the embedded held-out shapes prompts, capped at ``limit``."""
+    files = data_cfg.val_files
+    if files is None:
+        prompts = heldout_prompts()
+    else:
+        prompts = read_prompt_files(prompt_file_list(files, key="data.val_files"), data_cfg.prompt_key,
+                                    "data.val_files")
+    return prompts[:limit] if limit else prompts
 
 
 def check_prompts(prompts: Sequence[str]) -> None:

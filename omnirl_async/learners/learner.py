@@ -47,60 +47,13 @@ import torch.distributed as dist
 
 from omnirl_async.algos import compute_rollout_correction, get_diffusion_adv_estimator_fn, get_diffusion_loss_fn
 from omnirl_async.models.data_parallel import Group
-from omnirl_async.models.policy import FlowMatchPolicy, PromptEmbeds
-from omnirl_async.models.resolve import resolve_model_path
+from omnirl_async.models.policy import PromptEmbeds
 from omnirl_async.models.sde import sde_step_with_logprob
+from omnirl_async.models.setup import build_policy, pick_device
 
-__all__ = ["Learner", "NonFiniteError", "build_policy", "pick_device"]
+__all__ = ["Learner", "NonFiniteError"]
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("`trainer.device` = 'cuda' but no CUDA device is visible; use auto or cpu.")
-    return torch.device(name)
-
-
-def quiet_hf_logging() -> None:
-    """Silence per-component loading bars and warnings in worker logs."""
-    import diffusers
-    import transformers
-
-    diffusers.utils.logging.disable_progress_bar()
-    diffusers.utils.logging.set_verbosity_error()
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-
-
-def build_policy(model_cfg, device: torch.device, *, seed: int = 0) -> FlowMatchPolicy:
-    """Load the pipeline and wrap it with LoRA as ``actor_rollout_ref.model`` says.
-
-    The LoRA init draws from a generator seeded with ``seed`` (and leaves the
-    global RNG as it was), so every process builds the same initial adapter.
-    """
-    quiet_hf_logging()
-    policy = FlowMatchPolicy.from_pretrained(resolve_model_path(model_cfg.path),
-                                             transformer_subfolder=model_cfg.transformer_subfolder,
-                                             device=device, dtype=_DTYPES[model_cfg.dtype])
-    # rank 0 (without an adapter path) makes the whole transformer trainable
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        _add_lora(policy, model_cfg)
-    if model_cfg.enable_gradient_checkpointing and hasattr(policy.transformer, "enable_gradient_checkpointing"):
-        policy.transformer.enable_gradient_checkpointing()
-    return policy
-
-
-def _add_lora(policy: FlowMatchPolicy, model_cfg) -> None:
-    policy.add_lora(rank=model_cfg.lora_rank, alpha=model_cfg.lora_alpha,
-                    init_weights=model_cfg.lora_init_weights, target_modules=model_cfg.target_modules,
-                    exclude_modules=model_cfg.exclude_modules, adapter_path=model_cfg.lora_adapter_path,
-                    lora_dtype=model_cfg.lora_dtype)
 
 
 def _kind(x) -> str:
@@ -245,6 +198,9 @@ class Learner:
                 old = self._all_reduce(old, dist.ReduceOp.SUM)
                 old_means = self._all_reduce(old_means, dist.ReduceOp.SUM)
             b["old_log_probs"], b["old_means"] = old, old_means
+        if self.algo_cfg.rollout_correction.bypass_mode:  # the loss corrects current vs behaviour (losses/base.py)
+            b["is_weights"] = torch.ones_like(behaviour)
+            return
         rc = compute_rollout_correction(b["old_log_probs"], behaviour, None, self.algo_cfg.rollout_correction)
         b["is_weights"] = rc.weights  # IS weight x rejection keep-mask
         b["_metrics"].update(rc.metrics)

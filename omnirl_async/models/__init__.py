@@ -2,7 +2,10 @@
 
 ``FlowMatchPolicy`` (policy.py) wraps a diffusers SD3 / Flux pipeline behind the
 five primitives the RL loop needs; ``lora.py`` holds the adapter mechanics;
-``tiny.py`` builds random-weight pipelines small enough for CPU tests.
+``tiny.py`` builds random-weight pipelines small enough for CPU tests;
+``setup.py`` turns ``actor_rollout_ref.model`` into a policy on a device
+(``build_policy``, ``pick_device``) for every process that holds one;
+``evaluate.py`` generates and scores a prompt set (``evaluate_policy``).
 Importing this package does not import diffusers; that happens on first load.
 """
 

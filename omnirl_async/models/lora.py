@@ -33,12 +33,24 @@ Files: :func:`save_lora` writes a PEFT adapter folder
 ``PeftModel.from_pretrained(transformer, folder)`` loads it; diffusers loads it
 with ``transformer.load_lora_adapter(folder, weight_name="adapter_model.safetensors",
 prefix="base_model.model")``.
+
+Given the pipeline class (``pipeline_cls=``, as ``FlowMatchPolicy.save_lora``
+does), :func:`save_lora` also writes the pipeline's own LoRA file into the same
+folder with :func:`save_diffusers_lora`: ``pytorch_lora_weights.safetensors``,
+keys ``transformer.<module>.lora_A.weight`` / ``.lora_B.weight``, written by the
+pipeline class's ``save_lora_weights`` with the ``LoraConfig`` (rank, alpha,
+rslora, patterns) in the file's ``lora_adapter_metadata``, so that a plain
+``pipe.load_lora_weights(folder)`` attaches the adapter with the right scaling.
+Plain ``load_lora_weights(folder)`` picks that file even with the PEFT file
+beside it (diffusers prefers a file named ``pytorch_lora_weights.safetensors``);
+on the PEFT file alone it would load nothing, and say so only in a log line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -52,6 +64,15 @@ PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
 #: The key prefix peft's ``PeftModel`` uses in saved adapter files.
 PEFT_FILE_PREFIX = "base_model.model."
+#: The file diffusers' ``save_lora_weights`` writes and ``load_lora_weights(folder)`` looks for first.
+DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
+#: The component prefix of the transformer's keys in a diffusers pipeline LoRA file.
+DIFFUSERS_TRANSFORMER_PREFIX = "transformer."
+#: ``init_lora_weights`` values with which peft rewrites the base weights at
+#: injection (the adapter is trained against a modified base): such an adapter
+#: does not reproduce the policy on the original base model, so no diffusers
+#: file is written for it.
+BASE_REWRITING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
 _DTYPES = {
     "fp32": torch.float32,
@@ -256,8 +277,15 @@ def _strict_copy(targets: dict, source: dict, *, what: str, fix: str) -> None:
 
 
 # --------------------------------------------------------------------------- files / switches
-def save_lora(model: nn.Module, directory: str | os.PathLike) -> Path:
-    """Write the adapter as a PEFT folder (see the module docstring)."""
+def save_lora(model: nn.Module, directory: str | os.PathLike, *, pipeline_cls: type | None = None) -> Path:
+    """Write the adapter as a PEFT folder (see the module docstring); return the folder.
+
+    With ``pipeline_cls`` (the diffusers pipeline class the transformer belongs
+    to, e.g. ``StableDiffusion3Pipeline``) the folder also gets that pipeline's
+    own LoRA file, :data:`DIFFUSERS_WEIGHTS` (see :func:`save_diffusers_lora`).
+    An adapter whose init rewrote the base weights (:data:`BASE_REWRITING_INITS`)
+    gets no diffusers file (a warning says why) and a stale one is removed.
+    """
     from safetensors.torch import save_file
 
     directory = Path(directory)
@@ -275,7 +303,78 @@ def save_lora(model: nn.Module, directory: str | os.PathLike) -> Path:
     save_file(state, str(directory / PEFT_WEIGHTS), metadata={
         "format": "pt", "lora_adapter_metadata": json.dumps(meta, sort_keys=True)})
     config.save_pretrained(str(directory))
+    if pipeline_cls is not None:
+        reason = diffusers_export_problem(config, pipeline_cls)
+        if reason is None:
+            save_diffusers_lora(state, config, directory, pipeline_cls)
+        else:
+            (directory / DIFFUSERS_WEIGHTS).unlink(missing_ok=True)
+            logging.getLogger(__name__).warning("%s: no %s written: %s", directory, DIFFUSERS_WEIGHTS, reason)
     return directory
+
+
+def base_rewriting_init(config) -> str | None:
+    """The ``init_lora_weights`` of ``config`` if it is one that rewrites the base weights, else None."""
+    init = getattr(config, "init_lora_weights", None)
+    if isinstance(init, str) and init.lower().startswith(BASE_REWRITING_INITS):
+        return init
+    return None
+
+
+def diffusers_export_problem(config, pipeline_cls: type | None = None) -> str | None:
+    """Why this adapter cannot be written as a diffusers pipeline LoRA, or None when it can."""
+    init = base_rewriting_init(config)
+    if init is not None:
+        return (f"the adapter was initialised with init_lora_weights={init!r}, which rewrites the base weights, "
+                "so applied to the original base model it does not reproduce the trained policy")
+    if pipeline_cls is not None and not hasattr(pipeline_cls, "save_lora_weights"):
+        return f"{pipeline_cls.__name__} has no LoRA support (`save_lora_weights`) in this diffusers version"
+    return None
+
+
+def diffusers_adapter_metadata(config) -> dict:
+    """The ``LoraConfig`` as diffusers stores it in ``lora_adapter_metadata`` (its ``to_dict()``).
+
+    diffusers builds the loading ``LoraConfig(**metadata)`` from it, so rank,
+    alpha, ``use_rslora``, ``rank_pattern`` / ``alpha_pattern`` and the target
+    modules carry over exactly (without metadata diffusers guesses alpha =
+    rank). ``init_lora_weights`` is set to True: the loaded tensors replace the
+    init anyway, and a special init must not run again at load time.
+    """
+    meta = config.to_dict()
+    meta = {k: (sorted(v) if isinstance(v, set) else v) for k, v in meta.items()}
+    meta["init_lora_weights"] = True
+    return meta
+
+
+def save_diffusers_lora(
+    state_dict: dict[str, torch.Tensor],
+    config,
+    directory: str | os.PathLike,
+    pipeline_cls: type,
+) -> Path:
+    """Write ``state_dict`` (peft keys, as from ``lora_state_dict`` or ``read_adapter``)
+    as ``pipeline_cls``'s own LoRA file; return the file's path.
+
+    Uses ``pipeline_cls.save_lora_weights(directory, transformer_lora_layers=...,
+    transformer_lora_adapter_metadata=...)``, i.e. diffusers' own writer:
+    ``<directory>/pytorch_lora_weights.safetensors`` with keys
+    ``transformer.<peft key>`` and the config in the ``lora_adapter_metadata``
+    header entry. ``pipe.load_lora_weights(directory)`` then loads it.
+    Raises ``ValueError`` when :func:`diffusers_export_problem` finds one.
+    """
+    reason = diffusers_export_problem(config, pipeline_cls)
+    if reason is not None:
+        raise ValueError(f"cannot write a diffusers LoRA file: {reason}.")
+    if not state_dict:
+        raise ValueError("cannot write a diffusers LoRA file: the adapter state dict is empty.")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    layers = {k.removeprefix(PEFT_FILE_PREFIX): v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+    pipeline_cls.save_lora_weights(str(directory), transformer_lora_layers=layers,
+                                   transformer_lora_adapter_metadata=diffusers_adapter_metadata(config),
+                                   weight_name=DIFFUSERS_WEIGHTS)
+    return directory / DIFFUSERS_WEIGHTS
 
 
 @contextlib.contextmanager

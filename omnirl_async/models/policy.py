@@ -542,9 +542,17 @@ class FlowMatchPolicy:
         _lora.load_lora_state_dict(self.transformer, state_dict)
 
     def save_lora(self, directory: str | os.PathLike) -> Path:
-        """Write the adapter as a PEFT folder; ``add_lora(adapter_path=...)`` reads it back."""
+        """Write the adapter into ``directory`` in two formats; return the folder.
+
+        * PEFT: ``adapter_model.safetensors`` + ``adapter_config.json``, read back
+          by ``add_lora(adapter_path=...)``, ``eval --lora`` and peft.
+        * the pipeline's own LoRA file, ``pytorch_lora_weights.safetensors``
+          (``save_lora_weights`` of the pipeline class, keys ``transformer.…``),
+          so that a plain diffusers ``pipe.load_lora_weights(directory)`` applies
+          the trained adapter (it loads nothing from the PEFT file alone).
+        """
         self._require("lora", "save_lora")
-        return _lora.save_lora(self.transformer, directory)
+        return _lora.save_lora(self.transformer, directory, pipeline_cls=type(self.pipeline))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """CPU copy of the whole transformer state dict (the ``lora_rank=0`` weights)."""

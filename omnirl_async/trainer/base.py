@@ -346,8 +346,8 @@ class BaseTrainer:
         """Score the validation prompts on rollout worker 0 (it holds the newest weights)."""
         import ray
 
-        from omnirl_async.trainer.task_runner import load_val_prompts
-        from omnirl_async.trainer.validation import save_grid
+        from omnirl_async.data.prompts import load_val_prompts
+        from omnirl_async.models.evaluate import save_grid
 
         if self._val_prompts is None:
             self._val_prompts = load_val_prompts(self.config.data, self.config.data.val_max_samples)
@@ -364,7 +364,7 @@ class BaseTrainer:
         tcfg = self.config.trainer
         if tcfg.rollout_data_save_freq <= 0 or self.global_step % tcfg.rollout_data_save_freq or not len(batch):
             return
-        from omnirl_async.trainer.validation import save_grid
+        from omnirl_async.models.evaluate import save_grid
 
         images, rewards = batch.fields["images"], batch.fields["rewards"]
         cap = tcfg.rollout_data_max_samples or len(images)

@@ -1,7 +1,7 @@
 """From a validated config to a finished run: input checks, prompts, Ray start-up, mode dispatch, shutdown.
 
 :meth:`TaskRunner.run` checks every file and folder the config names
-(:func:`omnirl_async.preflight.check_inputs`) and reads the training prompts
+(:func:`omnirl_async.trainer.input_checks.check_inputs`) and reads the training prompts
 before Ray starts, so bad input fails in the driver within a second with one
 :class:`~omnirl_async.preflight.InputError` instead of inside every actor.
 """
@@ -10,41 +10,9 @@ from __future__ import annotations
 
 import os
 
-from omnirl_async.data.prompts import heldout_prompts, prompt_file_list, read_prompts, train_prompts
+from omnirl_async.data.prompts import load_train_prompts
 
-__all__ = ["TaskRunner", "load_train_prompts", "load_val_prompts", "read_prompt_files", "init_ray"]
-
-
-def load_train_prompts(data_cfg) -> list[str]:
-    """Training prompts: ``data.train_files`` or the embedded shapes training prompts."""
-    files = data_cfg.train_files
-    if files is None:
-        return train_prompts()
-    return read_prompt_files(prompt_file_list(files, key="data.train_files"), data_cfg.prompt_key,
-                             "data.train_files")
-
-
-def read_prompt_files(files: list[str], prompt_key: str, what: str) -> list[str]:
-    """Prompts from .jsonl (field ``prompt_key``) or .txt files, in order.
-
-    ``what`` is the config key that named the files; any problem is an
-    :class:`~omnirl_async.preflight.InputError` naming it, the file and line.
-    """
-    prompts: list[str] = []
-    for f in files:
-        prompts.extend(read_prompts(f, prompt_key=prompt_key, key=what))
-    return prompts
-
-
-def load_val_prompts(data_cfg, limit: int | None) -> list[str]:
-    """Validation prompts: ``data.val_files`` or the embedded held-out shapes prompts, capped at ``limit``."""
-    files = data_cfg.val_files
-    if files is None:
-        prompts = heldout_prompts()
-    else:
-        prompts = read_prompt_files(prompt_file_list(files, key="data.val_files"), data_cfg.prompt_key,
-                                    "data.val_files")
-    return prompts[:limit] if limit else prompts
+__all__ = ["TaskRunner", "init_ray"]
 
 
 def required_cpus(config) -> float:
@@ -85,7 +53,7 @@ class TaskRunner:
         self.printer = printer
 
     def run(self) -> dict:
-        from omnirl_async.preflight import check_inputs
+        from omnirl_async.trainer.input_checks import check_inputs
 
         check_inputs(self.config)  # raises InputError before anything starts
         prompts = load_train_prompts(self.config.data)

@@ -9,8 +9,8 @@ from PIL import Image
 
 from omnirl_async.cli import main as cli_main
 from omnirl_async.data.shapes import render
+from omnirl_async.models.evaluate import save_grid, summarize
 from omnirl_async.rewards import RewardManager
-from omnirl_async.trainer.validation import save_grid, summarize
 
 
 def test_summarize_matches_direct_counts():
@@ -54,7 +54,7 @@ def test_eval_seeds_do_not_depend_on_batching():
     from omnirl_async.config import load_config
     from omnirl_async.models import FlowMatchPolicy
     from omnirl_async.models.pretrain import ASSET_DIR
-    from omnirl_async.trainer.validation import evaluate_policy
+    from omnirl_async.models.evaluate import evaluate_policy
 
     val = load_config(["actor_rollout_ref.rollout.val_kwargs.n=2"]).actor_rollout_ref.rollout.val_kwargs
     val = dataclasses.replace(val, pipeline=dataclasses.replace(val.pipeline, num_inference_steps=2))

@@ -1,10 +1,15 @@
-"""Validation: generate a prompt set with ``rollout.val_kwargs``, score it, draw a grid.
+"""Evaluation: generate a prompt set with ``rollout.val_kwargs``, score it, draw a grid.
 
 Used three ways: ``omnirl-async eval`` (base model or a LoRA checkpoint), the
 trainer every ``trainer.test_freq`` steps (on a rollout worker, with the
 weights it holds), and the benchmarks. Image j of prompt i is drawn with seed
 ``seed + 1009 * i + j`` (``val_kwargs.n`` images per prompt), so two
 evaluations of the same weights agree, whatever the batch size.
+
+It sits in the models layer: it needs a policy and the sampler, and takes the
+reward as any callable ``reward(images, prompts) -> RewardResult`` (a
+:class:`~omnirl_async.rewards.RewardManager`), so it imports nothing from
+rewards, actors or the trainer.
 
 Metric names: ``val/score``, ``val/strict`` (all clauses met, mean over images),
 ``val/clause/<type>`` (accuracy per clause type when the reward reports clause
