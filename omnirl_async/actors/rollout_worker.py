@@ -119,6 +119,7 @@ class RolloutWorker:
         self.max_inflight_scores = 4  # groups being scored while the next one is sampled
         self._pool = ThreadPoolExecutor(max_workers=self.max_inflight_scores, thread_name_prefix="score")
         self._count_lock = threading.Lock()
+        self._weights_lock = threading.Lock()
         self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
                          "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "wall_s": 0.0}
 
@@ -181,16 +182,27 @@ class RolloutWorker:
 
     def set_weights(self, version: int, weights: dict[str, Any]) -> int:
         """Install a published weight version (LoRA state, or full weights when lora_rank=0)."""
-        if version < self.version:
-            raise ValueError(f"weights version {version} is older than the installed {self.version}")
-        if version == self.version:
+        with self._weights_lock:  # the rollout loop and a validation request may both install it
+            if version < self.version:
+                raise ValueError(f"weights version {version} is older than the installed {self.version}")
+            if version == self.version:
+                return self.version
+            weights = _to_tensor_dict(weights)
+            if self.model_cfg.lora_rank > 0:
+                self.policy.load_lora_state_dict(weights)
+            else:
+                self.policy.load_full_state_dict(weights)
+            self.version = version
             return self.version
-        weights = _to_tensor_dict(weights)
-        if self.model_cfg.lora_rank > 0:
-            self.policy.load_lora_state_dict(weights)
-        else:
-            self.policy.load_full_state_dict(weights)
-        self.version = version
+
+    def pull_weights(self, store) -> int:
+        """Install the newest version the weight store holds (separate_async, before validating)."""
+        from omnirl_async.learners.weight_store import fetch_weights_if_newer
+
+        newer = fetch_weights_if_newer(store, self.version)
+        if newer is not None:
+            info, weights = newer
+            self.set_weights(info.version, weights)
         return self.version
 
     def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:

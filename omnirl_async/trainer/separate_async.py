@@ -300,6 +300,22 @@ class SeparateAsyncTrainer(BaseTrainer):
             self.printer(f"rollout workers did not stop cleanly: {type(err).__name__}: {err}")
             self.final_worker_stats = []
 
+    def validate(self) -> dict[str, float]:
+        """Validate the learner's current version: quiesce leasing, let worker 0 install it, score, resume."""
+        import ray
+
+        self.dcall("pause", True)
+        try:
+            self._wait_until(lambda: not self.dcall("num_outstanding"),
+                             "in-flight prompt groups to land before validation", Timer())
+            got = ray.get(self.workers[0].pull_weights.remote(self.store), timeout=self.wait_timeout_s)
+            if got != self.version:
+                raise RuntimeError(f"rollout worker 0 holds weights version {got} after pulling; the learner "
+                                   f"published {self.version}")
+            return super().validate()
+        finally:
+            self.dcall("pause", False)
+
     def progress_label(self) -> str:
         return f"async FlowGRPO (lag<={self.threshold})"
 

@@ -222,3 +222,35 @@ def test_resume_without_a_buffer_snapshot_generates_the_untrained_groups_again(r
     summary = TaskRunner(second, printer=printed.append).run()
     assert summary["global_step"] == 4
     assert _trained_prompts(tmp_path) == Counter(PROMPTS[:8])  # across both runs, each prompt once
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_validation_scores_the_learner_version_also_right_after_a_resume(ray_cluster, small_overrides, tmp_path,
+                                                                        mode):
+    """val/score of the restored weights (val_before_train after resume) == val/score at that step in the run."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def val_scores(log_dir):
+        acc = EventAccumulator(str(log_dir))
+        acc.Reload()
+        return {e.step: e.value for e in acc.Scalars("val/score")}
+
+    common = ["trainer.test_freq=2", "data.val_max_samples=2",
+              "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=2", "trainer.save_freq=2"]
+    (tmp_path / "a").mkdir()
+    a = _cfg(small_overrides, tmp_path / "a", mode, PROMPTS[:8], *common, "trainer.total_training_steps=2")
+    TaskRunner(a, printer=lambda *x: None).run()
+    (tmp_path / "b").mkdir()
+    b = _cfg(small_overrides, tmp_path / "b", mode, PROMPTS[:8], *common, "trainer.total_training_steps=2",
+             "trainer.resume_mode=resume_path", f"trainer.resume_from_path={tmp_path / 'a' / 'ckpt' / 'global_step_2'}",
+             "trainer.val_before_train=true")
+    TaskRunner(b, printer=lambda *x: None).run()
+    assert val_scores(tmp_path / "b" / "tb")[2] == val_scores(tmp_path / "a" / "tb")[2]
+    # the validation images themselves: the same weights drew them (the base model's differ)
+    from PIL import Image
+    import numpy as np
+
+    grid_a = np.asarray(Image.open(tmp_path / "a" / "ckpt" / "validation" / "step_2.png"))
+    grid_b = np.asarray(Image.open(tmp_path / "b" / "ckpt" / "validation" / "step_2.png"))
+    assert np.array_equal(grid_a, grid_b)
