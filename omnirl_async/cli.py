@@ -61,7 +61,7 @@ def cmd_eval(args) -> int:
     import torch
 
     from omnirl_async.data.prompts import load_val_prompts
-    from omnirl_async.models.evaluate import evaluate_policy, save_grid
+    from omnirl_async.models.evaluate import evaluate_policy, save_grid, validation_settings
     from omnirl_async.models.setup import build_policy, pick_device
     from omnirl_async.rewards import RewardManager
 
@@ -81,7 +81,7 @@ def cmd_eval(args) -> int:
     prompts = load_val_prompts(cfg.data, args.num_prompts or cfg.data.val_max_samples)
     reward = RewardManager.from_config(cfg.reward)
     res = evaluate_policy(policy, reward, prompts, cfg.actor_rollout_ref.rollout.val_kwargs, seed=args.seed,
-                          progress=True, negative_prompt=cfg.actor_rollout_ref.rollout.pipeline.negative_prompt)
+                          progress=True, **validation_settings(cfg))
     who = f"LoRA {args.lora}" if args.lora else f"base model {model_cfg.path}"
     print(f"\n{who}: {len(res.prompts)} images of {len(prompts)} prompts")
     for key, value in res.metrics.items():

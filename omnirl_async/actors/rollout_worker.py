@@ -207,10 +207,10 @@ class RolloutWorker:
 
     def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:
         """Score ``prompts`` with ``rollout.val_kwargs`` and the weights this worker holds."""
-        from omnirl_async.models.evaluate import evaluate_policy
+        from omnirl_async.models.evaluate import evaluate_policy, validation_settings
 
         res = evaluate_policy(self.policy, self.reward, prompts, self.rollout_cfg.val_kwargs, seed=seed,
-                              negative_prompt=self.rollout_cfg.pipeline.negative_prompt)
+                              **validation_settings(self.config))
         return {"metrics": res.metrics, "images": res.images, "prompts": res.prompts,
                 "strict": next((v for k, v in res.extra.items() if k.endswith("strict")), None)}
 

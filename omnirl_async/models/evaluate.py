@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 
 from omnirl_async.models.sampler import sample_with_logprob
 
-__all__ = ["EvalResult", "evaluate_policy", "save_grid", "summarize"]
+__all__ = ["EvalResult", "evaluate_policy", "save_grid", "summarize", "validation_settings"]
 
 
 @dataclass
@@ -79,6 +79,20 @@ def summarize(prompts: list[str], scores: np.ndarray, extra: dict[str, np.ndarra
 
 
 @torch.no_grad()
+def validation_settings(config) -> dict:
+    """``batch_size`` and ``negative_prompt`` of validation from the root config.
+
+    ``data.val_batch_size`` prompts per generation forward (each gives
+    ``rollout.val_kwargs.n`` images; null = 32 images per forward), and
+    ``rollout.val_kwargs.pipeline.negative_prompt`` (empty = the rollout's).
+    """
+    ro = config.actor_rollout_ref.rollout
+    vbs = config.data.val_batch_size
+    batch_size = int(vbs) * int(ro.val_kwargs.n) if vbs else 32
+    negative = ro.val_kwargs.pipeline.negative_prompt or ro.pipeline.negative_prompt
+    return {"batch_size": batch_size, "negative_prompt": negative}
+
+
 def evaluate_policy(policy, reward, prompts: list[str], val_cfg, *, seed: int = 0, batch_size: int = 32,
                     progress: bool = False, negative_prompt: str = "") -> EvalResult:
     """Generate ``val_cfg.n`` images per prompt with ``val_cfg.pipeline`` / ``val_cfg.algo`` and score them."""

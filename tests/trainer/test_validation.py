@@ -74,3 +74,16 @@ def _same_noise(x: np.ndarray, y: np.ndarray) -> None:
     """Images from the same noise: equal up to float rounding (CPU kernels round differently per batch size)."""
     diff = np.abs(x.astype(np.int16) - y.astype(np.int16))
     assert diff.max() <= 1 and (diff > 0).mean() < 0.01
+
+
+def test_validation_settings_follow_val_batch_size_and_the_val_negative_prompt():
+    from omnirl_async.config import load_config
+    from omnirl_async.models.evaluate import validation_settings
+
+    assert validation_settings(load_config([])) == {"batch_size": 32, "negative_prompt": ""}
+    cfg = load_config(["data.val_batch_size=3", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                       "actor_rollout_ref.rollout.pipeline.negative_prompt=blurry"])
+    assert validation_settings(cfg) == {"batch_size": 6, "negative_prompt": "blurry"}
+    cfg = load_config(["actor_rollout_ref.rollout.pipeline.negative_prompt=blurry",
+                       "actor_rollout_ref.rollout.val_kwargs.pipeline.negative_prompt=text"])
+    assert validation_settings(cfg)["negative_prompt"] == "text"
