@@ -5,15 +5,56 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.algorithm import DIRECT_PREFERENCE_ONLY
+from omnirl_async.config.fields import NoEffect, opt
 
-__all__ = ["DiffusionLossConfig", "OptimConfig", "DiffusionActorConfig"]
+__all__ = ["DiffusionLossConfig", "OptimConfig", "DiffusionActorConfig", "loss_reads_kl", "losses_ignoring_kl"]
 
 
 def _losses():
     from omnirl_async.algos.losses import registered_losses
 
     return registered_losses()
+
+
+def loss_reads_kl(loss_mode: str, loss_config: Any = None) -> bool | None:
+    """Whether the registered loss ``loss_mode`` adds the KL term when ``actor.use_kl_loss`` is on.
+
+    Derived from the loss contract (``algos/losses/base.py``): the learner computes the reference mean
+    ``ref_mean`` only when ``use_kl_loss``, and a loss that uses the KL asks for it in its
+    ``model_output_keys``. None when the loss cannot be built here (another check reports that).
+    """
+    from types import SimpleNamespace
+
+    from omnirl_async.algos.losses import get_diffusion_loss_fn
+
+    try:
+        cls = get_diffusion_loss_fn(loss_mode)
+        probe = SimpleNamespace(use_kl_loss=True, kl_loss_coef=0.001, loss_scale_factor=None, rollout_correction=None)
+        loss = cls(loss_config if loss_config is not None else DiffusionLossConfig(), probe)
+    except Exception:  # noqa: BLE001 - unknown name or bad loss option: reported by its own check
+        return None
+    return "ref_mean" in loss.model_output_keys
+
+
+def losses_ignoring_kl() -> list[str]:
+    """Registered losses that never read the KL term."""
+    return [name for name in _losses() if loss_reads_kl(name) is False]
+
+
+def _kl_ignored(actor: Any, root: Any) -> str | None:
+    mode = actor.diffusion_loss.loss_mode
+    if loss_reads_kl(mode, actor.diffusion_loss) is False:
+        return f"with `actor_rollout_ref.actor.diffusion_loss.loss_mode` = {mode!r}"
+    return None
+
+
+def _kl_off(actor: Any, root: Any) -> str | None:
+    return None if actor.use_kl_loss else "while `actor_rollout_ref.actor.use_kl_loss` = false"
+
+
+_NO_DISTILL = ("distillation is not built yet (`actor_rollout_ref.actor.use_distill_loss` = true is refused), so "
+               "nothing reads it")
 
 
 @dataclass
@@ -23,10 +64,11 @@ class DiffusionLossConfig:
     clip_ratio: float = opt(1e-4, "PPO clip epsilon on the per-step ratio (FlowGRPO uses a tiny one; "
                             "cps log-probs are unscaled, so their sensible range is ~1e-5).", gt=0)
     adv_clip_max: float = opt(5.0, "Advantages are clipped to +-adv_clip_max before the loss.", gt=0)
-    mix_beta: float = opt(0.5, "DiffusionNFT mixing beta.", gt=0)
-    ref_kl_coef: float = opt(0.0, "DiffusionNFT reference MSE coefficient.", ge=0)
-    adaptive_weight_min: float = opt(1e-5, "DiffusionNFT adaptive-weight floor.", gt=0)
-    dpo_beta: float = opt(2000.0, "Diffusion-DPO inverse temperature.", gt=0)
+    mix_beta: float = opt(0.5, "DiffusionNFT mixing beta.", gt=0, no_effect=DIRECT_PREFERENCE_ONLY)
+    ref_kl_coef: float = opt(0.0, "DiffusionNFT reference MSE coefficient.", ge=0, no_effect=DIRECT_PREFERENCE_ONLY)
+    adaptive_weight_min: float = opt(1e-5, "DiffusionNFT adaptive-weight floor.", gt=0,
+                                     no_effect=DIRECT_PREFERENCE_ONLY)
+    dpo_beta: float = opt(2000.0, "Diffusion-DPO inverse temperature.", gt=0, no_effect=DIRECT_PREFERENCE_ONLY)
     kl_mask_threshold: float = opt(1e-5, "Flow-DPPO drift threshold tau.", gt=0)
     add_kl_coefficient: bool = opt(True, "Flow-DPPO: normalise the mean drift by the SDE noise scale.")
 
@@ -58,11 +100,25 @@ class DiffusionActorConfig:
     shuffle: bool = opt(True, "Shuffle samples across mini-batches each epoch.")
     grad_clip: float = opt(1.0, "Max gradient norm; <= 0 disables.")
     loss_scale_factor: Any = opt(None, "Global scale on the diffusion loss; null disables.", gt=0)
-    use_kl_loss: bool = opt(False, "Add a KL penalty to the reference policy (adapter disabled).")
-    kl_loss_coef: float = opt(0.001, "KL penalty coefficient.", ge=0)
+    use_kl_loss: bool = opt(False, "Add kl_loss_coef x KL to the reference policy (base model, adapter disabled) "
+                            "to the loss; only losses that read the KL term (flow_grpo, mix_grpo, dance_grpo) take it.",
+                            no_effect=NoEffect(
+                                "this loss never reads the KL term (it does not take the reference mean `ref_mean`), "
+                                "so the reference forward pass would only cost time",
+                                when=_kl_ignored,
+                                when_doc=lambda: ("with `diffusion_loss.loss_mode` = "
+                                                  + " / ".join(losses_ignoring_kl()) + " (losses without a KL term)"),
+                                fix="set it to false, or use a loss_mode with a KL term (flow_grpo, mix_grpo, "
+                                    "dance_grpo)"))
+    kl_loss_coef: float = opt(0.001, "KL penalty coefficient.", ge=0,
+                              no_effect=NoEffect("the KL penalty is off, so nothing reads its coefficient",
+                                                 when=_kl_off, when_doc="while `use_kl_loss` = false",
+                                                 fix="leave it at its default ({default}), or set "
+                                                     "`actor_rollout_ref.actor.use_kl_loss` = true"))
     use_distill_loss: bool = opt(False, "Teacher-anchored distillation.",
                                  not_built={True: "distillation losses are not built yet"})
-    distill_loss_mode: str = opt("distill_kl", "distill_kl or distill_fm_mse.", choices=("distill_kl", "distill_fm_mse"))
-    distill_loss_coef: float = opt(1.0, "Distillation coefficient.", ge=0)
+    distill_loss_mode: str = opt("distill_kl", "distill_kl or distill_fm_mse.",
+                                 choices=("distill_kl", "distill_fm_mse"), no_effect=_NO_DISTILL)
+    distill_loss_coef: float = opt(1.0, "Distillation coefficient.", ge=0, no_effect=_NO_DISTILL)
     rollout_correction: Any = opt("${algorithm.rollout_correction}",
                                   "Per-actor mirror of algorithm.rollout_correction (read-only copy).")

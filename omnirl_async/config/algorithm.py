@@ -7,9 +7,14 @@ from typing import Any
 
 from omnirl_async.config.fields import opt
 
-__all__ = ["RolloutCorrectionConfig", "DiffusionAlgoConfig"]
+__all__ = ["RolloutCorrectionConfig", "DiffusionAlgoConfig",
+           "DIRECT_PREFERENCE_ONLY", "DIRECT_PREFERENCE_TRAINER"]
 
 _NOT_BUILT_DP = "direct-preference training (DPO, DiffusionNFT, AWM) is not built yet"
+#: Reason for the keys only the direct-preference trainer would read (also used by actor.py and model.py).
+DIRECT_PREFERENCE_TRAINER = ("`algorithm.trainer_type` = direct_preference (DiffusionNFT / DPO / AWM), which is "
+                             "not built yet")
+DIRECT_PREFERENCE_ONLY = f"it is used by {DIRECT_PREFERENCE_TRAINER}"
 
 
 def _adv_estimators():
@@ -53,9 +58,12 @@ class DiffusionAlgoConfig:
     norm_adv_by_std_in_grpo: bool = opt(True, "Divide group-centred rewards by the std (GRPO); false = mean-centring only.")
     global_std: bool = opt(True, "Use the std over the whole batch instead of within each group.")
     old_policy_decay_schedule: str = opt("copy", "DiffusionNFT old-policy EMA schedule.",
-                                         choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999"))
-    old_policy_decay: Any = opt(None, "Fixed old-policy EMA decay in [0, 1]; overrides the schedule.", ge=0.0, le=1.0)
-    old_policy_update_interval: int = opt(1, "DiffusionNFT optimizer steps between old-policy refreshes.", gt=0)
+                                         choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999"),
+                                         no_effect=DIRECT_PREFERENCE_ONLY)
+    old_policy_decay: Any = opt(None, "Fixed old-policy EMA decay in [0, 1]; overrides the schedule.", ge=0.0, le=1.0,
+                                no_effect=DIRECT_PREFERENCE_ONLY)
+    old_policy_update_interval: int = opt(1, "DiffusionNFT optimizer steps between old-policy refreshes.", gt=0,
+                                          no_effect=DIRECT_PREFERENCE_ONLY)
     timestep_fraction: float = opt(1.0, "Fraction of the trained SDE steps used per sample, in (0, 1].", gt=0.0, le=1.0)
     adv_mode: str = opt("continuous", "Advantage mapping.",
                         choices=("continuous", "positive_only", "negative_only", "one_only", "binary"))

@@ -5,32 +5,56 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.fields import NoEffect, opt
 
-__all__ = ["BufferConfig", "TransferQueueConfig"]
+__all__ = ["BufferConfig", "TransferQueueConfig", "wait_no_effect"]
+
+#: Under separate_async + wait, update u trains exactly the admitted tickets [u*B, (u+1)*B): the buffer settings
+#: that would choose other groups, or hold a batch back, cannot apply.
+_WAIT_TRAINS_ADMITTED = ("each update trains exactly the prompt groups admission control let in for it (that is what "
+                        "keeps every lag within the threshold), so")
+
+
+def _wait_strategy(section, root) -> str | None:
+    """The condition of the separate_async + wait refusals: ``max_off_policy_strategy`` = wait."""
+    strategy = root.trainer.v1.sampler.max_off_policy_strategy
+    return "with `trainer.v1.sampler.max_off_policy_strategy` = wait" if strategy == "wait" else None
+
+
+def wait_no_effect(reason: str, **kw) -> NoEffect:
+    """Refused under separate_async with the wait strategy, for ``reason`` (completes "..., so")."""
+    return NoEffect(f"{_WAIT_TRAINS_ADMITTED} {reason}", modes=("separate_async",), when=_wait_strategy,
+                    when_doc="with `trainer.v1.sampler.max_off_policy_strategy` = wait", **kw)
+
+
+_WAIT_LIMITER = wait_no_effect("a rate limiter cannot hold a batch back (admission control already paces the "
+                               "rollout)", fix="set it to null, or use the drop strategy")
 
 
 @dataclass
 class BufferConfig:
     sampler: str = opt("fifo", "Which samples a learner batch takes: fifo (oldest first; in separate_async with "
                        "the wait strategy: lowest admission ticket first), ticket, uniform, prioritized, freshness.",
-                       choices=("fifo", "ticket", "uniform", "prioritized", "freshness"))
+                       choices=("fifo", "ticket", "uniform", "prioritized", "freshness"),
+                       no_effect=wait_no_effect("a sampler cannot choose other groups", accept=("ticket",),
+                                                fix="use fifo (or ticket), or the drop strategy"))
     remover: str = opt("fifo", "Which samples leave a full table first.", choices=("fifo",))
     max_size: int = opt(4096, "Max samples per table.", gt=0)
-    max_times_sampled: int = opt(1, "A sample leaves the table after this many uses.", gt=0)
-    min_size_to_sample: Any = opt(None, "Samples needed before sampling; null = one learner batch.", gt=0)
-    samples_per_insert: Any = opt(None, "Rate limiter: target samples drawn per sample inserted; null = off.", gt=0)
+    max_times_sampled: int = opt(1, "A sample leaves the table after this many uses.", gt=0,
+                                 no_effect=NoEffect("sync trains every sample with the weights that generated it; a "
+                                                    "reused sample would be one version stale at the next step and "
+                                                    "evicted unused", modes=("sync",)))
+    min_size_to_sample: Any = opt(None, "Samples needed before sampling; null = one learner batch.", gt=0,
+                                  no_effect=_WAIT_LIMITER)
+    samples_per_insert: Any = opt(None, "Rate limiter: target samples drawn per sample inserted; null = off.", gt=0,
+                                  no_effect=_WAIT_LIMITER)
     samples_per_insert_error_buffer: Any = opt(None, "Slack of the rate limiter in samples; null = one batch.", gt=0)
     priority_exponent: float = opt(0.6, "Exponent of the prioritized sampler.", ge=0)
     freshness_decay: float = opt(0.5, "Per-version-lag priority decay of the freshness sampler.", gt=0, le=1)
     offline_mix_ratio: float = opt(0.0, "Fraction of each learner batch from the offline table.", ge=0, le=1,
-                                   not_built=None)
+                                   no_effect="the buffer can mix an offline table, but ingesting offline data into "
+                                             "it is not built yet")
     snapshot_with_checkpoint: bool = opt(True, "Save the buffer with every checkpoint.")
-
-    def validate(self, path: str) -> None:
-        if self.offline_mix_ratio > 0:
-            raise ValueError(f"`{path}.offline_mix_ratio` = {self.offline_mix_ratio}: the buffer can mix an "
-                             "offline table, but ingesting offline data into it is not built yet; use 0.0.")
 
 
 @dataclass

@@ -5,9 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.fields import NoEffect, opt
 
 __all__ = ["DataConfig", "CustomRewardFunctionConfig", "RewardConfig"]
+
+
+#: Upstream VeRL's default reward manager; this project's built-in manager does what it does.
+UPSTREAM_REWARD_MANAGER = "naive"
+
+
+def _upstream_reward_manager(value: Any) -> bool:
+    """The upstream default, as a name or as upstream's ``{source: register, name: naive, ...}`` mapping."""
+    if value == UPSTREAM_REWARD_MANAGER:
+        return True
+    return (isinstance(value, dict) and value.get("name") == UPSTREAM_REWARD_MANAGER
+            and value.get("source", "register") == "register" and not (value.get("module") or {}).get("path"))
 
 
 def _rewards():
@@ -23,7 +35,8 @@ class DataConfig:
     val_files: Any = opt(None, "Validation prompt file(s); null = the embedded held-out shapes prompts.")
     prompt_key: str = opt("prompt", "Field holding the prompt text in JSONL rows.")
     train_batch_size: int = opt(8, "Prompts per training step (each yields rollout.n samples).", gt=0)
-    val_batch_size: Any = opt(None, "Validation prompts per batch; null = all.", gt=0)
+    val_batch_size: Any = opt(None, "Validation prompts per generation forward (each gives "
+                              "rollout.val_kwargs.n images); null = 32 images per forward.", gt=0)
     val_max_samples: Any = opt(64, "Cap on validation prompts; null = all.", gt=0)
     shuffle: bool = opt(True, "Shuffle prompts each epoch.")
     seed: int = opt(1, "Seed of the prompt order.")
@@ -48,7 +61,14 @@ class RewardConfig:
     reward_functions: Any = opt(None, "{name: {path, name, weight, kwargs}}; path null = built-in registry name.")
     aggregation: str = opt("weighted_sum", "How reward_functions combine.", choices=("weighted_sum",))
     reward_kwargs: dict = opt(factory=dict, help="Extra keyword arguments passed to the reward function.")
-    reward_manager: Any = opt(None, "Accepted for compatibility; the built-in manager is always used.")
+    reward_manager: Any = opt(None, "Upstream VeRL's reward-manager choice; the built-in manager is always used, so "
+                              "only null or upstream's default 'naive' are accepted.",
+                              no_effect=NoEffect("the built-in reward manager (omnirl_async.rewards.RewardManager) is "
+                                                 "always used; choose what it scores with `reward.reward_fn_name`, "
+                                                 "`reward.reward_functions` or `reward.custom_reward_function`",
+                                                 accept=_upstream_reward_manager,
+                                                 accept_doc="null, 'naive' (upstream's default)",
+                                                 fix="leave it at null (or upstream's default 'naive')"))
     max_failed_frac: float = opt(0.5, "Stop the job when more than this fraction of the last "
                                  "`failed_frac_window` scored samples failed (reward raised, NaN/inf, wrong "
                                  "shape, timeout); 1 = never stop.", ge=0, le=1)

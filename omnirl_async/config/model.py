@@ -5,13 +5,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.algorithm import DIRECT_PREFERENCE_TRAINER
+from omnirl_async.config.fields import NoEffect, opt
 
 __all__ = ["DiffusionModelConfig", "DEFAULT_MODEL_PATH"]
 
 #: ``embedded:<name>`` resolves to a model shipped with (or built by) the package,
 #: see :func:`omnirl_async.models.resolve_model_path`.
 DEFAULT_MODEL_PATH = "embedded:shapes"
+
+_OUTSIDE_PIPELINE = ("loading components from outside the pipeline folder is not built yet; put them under "
+                     "`actor_rollout_ref.model.path`")
 
 _ALGORITHMS = ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard", "flow_dppo",
                "diffusion_nft", "dpo", "awm")
@@ -29,8 +33,9 @@ class DiffusionModelConfig:
                                     "dpo": "Diffusion-DPO is not built yet",
                                     "awm": "AWM is not built yet"})
     tokenizer_path: Any = opt(None, "Tokenizer folder if not inside path (falls back to <path>/tokenizer).",
-                              not_built=None)
-    config_path: Any = opt(None, "Transformer config folder; null = <path>/<transformer_subfolder>.")
+                              no_effect=_OUTSIDE_PIPELINE)
+    config_path: Any = opt(None, "Transformer config folder; null = <path>/<transformer_subfolder>.",
+                           no_effect=_OUTSIDE_PIPELINE)
     transformer_subfolder: str = opt("transformer", "Subfolder holding the diffusion transformer.")
     attn_backend: str = opt("native", "Diffusers attention backend.",
                             choices=("native", "_native_npu", "_flash_3_varlen_hub"),
@@ -42,26 +47,21 @@ class DiffusionModelConfig:
     lora_init_weights: Any = opt("gaussian", "LoRA init (peft init_lora_weights): gaussian, true, false, pissa, olora, loftq...")
     target_modules: Any = opt("all-linear", "LoRA targets: all-linear or a list of module-name patterns.")
     target_parameters: Any = opt(None, "nn.Parameter names for LoRA.",
-                                 not_built=None)
+                                 no_effect=NoEffect("LoRA on raw parameters is not built yet; use target_modules",
+                                                    accept=([],)))
     exclude_modules: Any = opt(None, "Module-name patterns excluded from LoRA (list or regex string).")
     lora_adapter_path: Any = opt(None, "PEFT adapter folder to continue training from.")
     policy_state_adapters: Any = opt(None, "Named LoRA policy states the algorithm needs; null = ['default']. "
-                                     "The reference policy is always the base with the adapter disabled.")
+                                     "The reference policy is always the base with the adapter disabled.",
+                                     no_effect=NoEffect(
+                                         f"named LoRA policy states (e.g. 'old' for DiffusionNFT) are used by "
+                                         f"{DIRECT_PREFERENCE_TRAINER}; the reference policy is always the base "
+                                         "model with the adapter disabled",
+                                         accept=(["default"],)))
     lora_dtype: Any = opt(None, "Cast LoRA params to this dtype; null = keep.",
                           choices=(None, "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"))
-    fsdp_layer_prefixes: Any = opt(None, "Accepted for compatibility; this project does not shard with FSDP.")
+    fsdp_layer_prefixes: Any = opt(None, "FSDP wrap prefixes (VeRL-Omni); this project does not shard with FSDP.",
+                                   no_effect="this project does not shard with FSDP "
+                                             "(`actor_rollout_ref.actor.strategy` = ddp), so nothing reads it")
     dtype: str = opt("fp32", "Compute dtype of the base weights. Log-probs are always computed in fp32.",
                      choices=("fp32", "bf16", "fp16"))
-
-    def validate(self, path: str) -> None:
-        for key in ("tokenizer_path", "config_path"):
-            if getattr(self, key) is not None:
-                raise ValueError(f"`{path}.{key}` = {getattr(self, key)!r}: loading components from outside the "
-                                 "pipeline folder is not built yet; put them under `path` (null).")
-        if self.policy_state_adapters not in (None, ["default"], ("default",)) and \
-                list(self.policy_state_adapters) not in (["default"], ["default", "reference"]):
-            raise ValueError(f"`{path}.policy_state_adapters` = {list(self.policy_state_adapters)!r}: extra named "
-                             "adapters (e.g. 'old' for DiffusionNFT) are not built yet; use ['default'].")
-        if self.target_parameters not in (None, [], ()):
-            raise ValueError(f"`{path}.target_parameters` = {self.target_parameters!r}: LoRA on raw parameters "
-                             "is not built yet; use target_modules.")

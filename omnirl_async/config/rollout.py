@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.fields import NoEffect, opt, section
 
 __all__ = ["DiffusionPipelineConfig", "DiffusionRolloutAlgoConfig", "ValKwargsConfig", "DiffusionRolloutConfig"]
 
@@ -20,12 +20,8 @@ class DiffusionPipelineConfig:
     max_sequence_length: int = opt(77, "Max text-encoder tokens.", gt=0)
     guidance_scale: Any = opt(None, "Distilled guidance for models with guidance embeddings (Flux-dev); null disables.", gt=0)
     num_frames: int = opt(1, "Video frames; image models keep 1.", ge=1,
-                          not_built=None)
+                          no_effect="video generation is not built yet")
     output_type: str = opt("image", "Output modality.", choices=("image",))
-
-    def validate(self, path: str) -> None:
-        if self.num_frames != 1:
-            raise ValueError(f"`{path}.num_frames` = {self.num_frames}: video generation is not built yet; use 1.")
 
 
 @dataclass
@@ -50,11 +46,29 @@ class DiffusionRolloutAlgoConfig:
                                  f"sde_window_range {list(r)!r}.")
 
 
+#: Validation (models/evaluate.py: evaluate_policy -> sample_with_logprob without a window) takes every
+#: denoising step with ``val_kwargs.algo.noise_level``: 0 (the default) is the deterministic Euler (ODE) step.
+_VAL_NO_WINDOW = ("validation denoises every step alike with `val_kwargs.algo.noise_level` (0 = the ODE) and never "
+                  "uses an SDE window, so nothing reads it")
+
+
+def _val_ode(algo, root) -> str | None:
+    return "while `actor_rollout_ref.rollout.val_kwargs.algo.noise_level` = 0" if algo.noise_level == 0 else None
+
+
 @dataclass
 class ValKwargsConfig:
     n: int = opt(1, "Generations per prompt during validation.", gt=0)
     pipeline: DiffusionPipelineConfig = field(default_factory=DiffusionPipelineConfig)
-    algo: DiffusionRolloutAlgoConfig = field(default_factory=lambda: DiffusionRolloutAlgoConfig(noise_level=0.0))
+    algo: DiffusionRolloutAlgoConfig = section(
+        lambda: DiffusionRolloutAlgoConfig(noise_level=0.0),
+        no_effect_below={
+            **{key: _VAL_NO_WINDOW for key in ("sde_window_size", "sde_window_range", "sde_window_seed",
+                                               "sample_strategy", "iters_per_group")},
+            "sde_type": NoEffect("with noise level 0 every SDE variant takes the same deterministic Euler (ODE) step",
+                                 when=_val_ode, when_doc="while `val_kwargs.algo.noise_level` = 0 (the default)",
+                                 fix="leave it at its default ('sde'), or set a noise_level > 0"),
+        })
 
 
 @dataclass

@@ -36,25 +36,6 @@ class DiffusionTrainerConfig:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     ray_kwargs: RayKwargsConfig = field(default_factory=RayKwargsConfig)
 
-    def _check_wait_strategy_buffer(self, v1) -> None:
-        """Under separate_async + wait, update u trains exactly the admitted tickets [u*B, (u+1)*B):
-        the buffer settings that would choose other groups, or hold a batch back, cannot apply."""
-        why = ("under `trainer.v1.trainer_mode` = separate_async with `max_off_policy_strategy` = wait, each update "
-               "trains exactly the prompt groups admission control let in for it (that is what keeps every lag "
-               "within the threshold), so")
-        if self.buffer.sampler not in ("fifo", "ticket"):
-            raise ValueError(f"`buffer.sampler` = {self.buffer.sampler!r}: {why} a sampler cannot choose other "
-                             "groups; use fifo, or the drop strategy.")
-        if v1.sampler.custom_sampler.path is not None:
-            raise ValueError(f"`trainer.v1.sampler.custom_sampler.path` = {v1.sampler.custom_sampler.path!r}: {why} "
-                             "a custom sampler would never be asked; unset it, or use the drop strategy.")
-        for key in ("samples_per_insert", "min_size_to_sample"):
-            value = getattr(self.buffer, key)
-            if value is not None:
-                raise ValueError(f"`buffer.{key}` = {value!r}: {why} a rate limiter cannot hold a batch back "
-                                 "(admission control already paces the rollout); set it to null, or use the drop "
-                                 "strategy.")
-
     def validate(self, path: str) -> None:
         aro = self.actor_rollout_ref
         n = aro.rollout.n
@@ -80,9 +61,6 @@ class DiffusionTrainerConfig:
         if (aro.actor.ppo_mini_batch_size * n) % self.learner.num_workers:
             raise ValueError(f"`learner.num_workers` = {self.learner.num_workers} must divide the samples of one "
                              f"mini-batch (ppo_mini_batch_size x rollout.n = {aro.actor.ppo_mini_batch_size * n}).")
-        v1 = self.trainer.v1
-        if v1.trainer_mode == "separate_async" and v1.sampler.max_off_policy_strategy == "wait":
-            self._check_wait_strategy_buffer(v1)
         if aro.rollout.algo.sde_type == "cps" and aro.actor.diffusion_loss.clip_ratio > 1e-3:
             import warnings
 

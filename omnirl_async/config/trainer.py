@@ -5,30 +5,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.buffer import wait_no_effect
+from omnirl_async.config.fields import NoEffect, opt
 
 __all__ = ["SeparateAsyncConfig", "CustomSamplerConfig", "V1SamplerConfig", "V1Config", "TrainerConfig",
            "LearnerConfig", "RayKwargsConfig"]
 
 
+def _sync(reason: str, **kw) -> NoEffect:
+    """No effect under ``trainer.v1.trainer_mode`` = sync, for ``reason``."""
+    return NoEffect(reason, modes=("sync",), **kw)
+
+
 @dataclass
 class SeparateAsyncConfig:
-    num_warmup_batches: int = opt(1, "Prompt batches queued before training starts.", ge=0)
-    parameter_sync_step: int = opt(1, "Optimizer updates between weight publications.", gt=0)
-    sync_compatible: bool = opt(False, "Pause rollout while the learner trains.")
+    num_warmup_batches: int = opt(1, "Prompt batches queued before training starts.", ge=0,
+                                  no_effect=_sync("sync generates each batch right before training on it, so no batch "
+                                                  "is queued ahead"))
+    parameter_sync_step: int = opt(1, "Optimizer updates between weight publications.", gt=0,
+                                   no_effect=_sync("sync publishes the weights after every update"))
+    sync_compatible: bool = opt(False, "Pause rollout while the learner trains.",
+                                no_effect=_sync("sync never generates while the learner trains, so there is nothing "
+                                                "to pause"))
 
 
 @dataclass
 class CustomSamplerConfig:
-    path: Any = opt(None, "Python file defining a custom buffer sampler class.")
+    path: Any = opt(None, "Python file defining a custom buffer sampler class.",
+                    no_effect=wait_no_effect("a custom sampler would never be asked",
+                                             fix="unset it, or use the drop strategy"))
     name: Any = opt(None, "Class name in that file.")
 
 
 @dataclass
 class V1SamplerConfig:
-    max_off_policy_threshold: int = opt(1, "Max version lag of a trained sample (0 = on-policy).", ge=0)
+    max_off_policy_threshold: int = opt(1, "Max version lag of a trained sample (0 = on-policy).", ge=0,
+                                        no_effect=_sync("sync trains on-policy (threshold 0): every sample is trained "
+                                                        "by the weights that generated it", accept=(0,)))
     max_off_policy_strategy: str = opt("wait", "wait (admission control) or drop (evict and count).",
-                                       choices=("wait", "drop"))
+                                       choices=("wait", "drop"),
+                                       no_effect=_sync("sync trains on-policy (threshold 0), so no sample is ever "
+                                                       "stale: there is nothing to wait for or drop"))
     drop_incomplete_groups: bool = opt(False, "Evict a group with a failed member and refill it.")
     max_incomplete_group_refill_rounds: int = opt(3, "Refill attempts per evicted group.", ge=0)
     custom_sampler: CustomSamplerConfig = field(default_factory=CustomSamplerConfig)
@@ -73,7 +90,9 @@ class TrainerConfig:
     rollout_data_save_freq: int = opt(0, "Dump rollout images every N steps; <= 0 never.")
     rollout_data_max_samples: Any = opt(16, "Cap on dumped samples per step.", gt=0)
     validation_data_max_samples: Any = opt(None, "Cap on dumped validation samples.", gt=0)
-    video_fps: int = opt(8, "FPS of dumped videos (image runs ignore it).", gt=0)
+    video_fps: int = opt(8, "FPS of dumped videos (VeRL-Omni); this project generates images only.", gt=0,
+                         no_effect="this project generates images only (`pipeline.num_frames` = 1), so no video is "
+                                   "ever written")
     progress_bar: bool = opt(True, "Show a progress bar on the console.")
     wait_timeout_s: float = opt(600.0, "Longest any blocking wait of the driver (a batch of samples, a "
                                 "generation round, weights, a checkpoint quiesce) may take before the job stops "

@@ -4,8 +4,11 @@ Three passes, each naming the key path of the first problem it finds:
 
 1. unknown keys (Hydra's ``+key=value`` adds keys without complaint; we do not),
 2. type conversion into the typed dataclasses (OmegaConf),
-3. the per-field rules declared with :func:`omnirl_async.config.fields.opt`,
-   then each dataclass's own ``validate(path)`` for rules that span fields.
+3. the per-field rules declared with :func:`omnirl_async.config.fields.opt`
+   (including ``no_effect``: a value other than the default of a key that has
+   no effect in this mode, or with these other keys, is refused with the
+   reason), then each dataclass's own ``validate(path)`` for rules that span
+   fields.
 
 Whatever goes wrong comes out as one :class:`ConfigError` whose message starts
 with the key path: OmegaConf's own errors are translated, a bounded field
@@ -27,10 +30,10 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from omnirl_async.config.fields import Rule
+from omnirl_async.config.fields import MODES, NoEffect, Rule
 
 __all__ = ["ConfigError", "check_unknown_keys", "unknown_key_message", "type_at", "schema_at", "validate_tree",
-           "to_validated_object"]
+           "to_validated_object", "show_value", "trainer_mode_of"]
 
 
 class ConfigError(ValueError):
@@ -127,16 +130,91 @@ def _check_rule(value: Any, rule: Rule, path: str) -> None:
             raise ConfigError(f"`{path}` = {value!r} must be {sym} {b}.")
 
 
-def validate_tree(obj: Any, path: str = "") -> None:
-    """Check every declared rule of a dataclass tree, then each class's ``validate``."""
+def show_value(value: Any) -> str:
+    """A value as one writes it in YAML / an override: null, true, 1e-05, 'text', [a, b]."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(show_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def trainer_mode_of(root: Any) -> str | None:
+    """``trainer.v1.trainer_mode`` of a validated root config (None for a section validated alone)."""
+    v1 = getattr(getattr(root, "trainer", None), "v1", None)
+    return getattr(v1, "trainer_mode", None)
+
+
+def _no_effect_condition(decl: NoEffect, section: Any, root: Any) -> str | None:
+    """"" when ``decl`` holds unconditionally, the condition's text when its ``when`` holds, None when not."""
+    if decl.when is None:
+        return ""
+    try:
+        return decl.when(section, root)
+    except Exception:  # noqa: BLE001 - a wrong-shaped other key is reported by its own check
+        return None
+
+
+def _check_no_effect(value: Any, default: Any, decls: tuple[NoEffect, ...], path: str, section: Any,
+                     root: Any) -> None:
+    """Refuse ``value`` at ``path`` when a declaration says the key has no effect here and it is not the default."""
+    if value == default and type(value) is type(default):
+        return
+    mode = trainer_mode_of(root)
+    for decl in decls:
+        if not decl.applies_in(mode) or decl.accepts(value):
+            continue
+        cond = _no_effect_condition(decl, section, root)
+        if cond is None:
+            continue
+        where = f" under `trainer.v1.trainer_mode` = {mode}" if decl.modes is not None else ""
+        where += f" {cond}" if cond else ""
+        fix = decl.fix.format(default=show_value(default)) if decl.fix else _default_fix(default, decl)
+        raise ConfigError(f"`{path}` = {value!r} is refused{where}: {decl.reason}; {fix}.")
+
+
+def _default_fix(default: Any, decl: NoEffect) -> str:
+    fix = f"leave it at its default ({show_value(default)})"
+    if decl.accept and not callable(decl.accept):
+        fix += f" or use {' or '.join(show_value(a) for a in decl.accept)}"
+    if decl.modes is not None:
+        others = [m for m in MODES if m not in decl.modes]
+        if others:
+            fix += f", or set `trainer.v1.trainer_mode` = {' or '.join(others)}"
+    return fix
+
+
+def no_effect_of(f: dataclasses.Field, below: dict[str, tuple[NoEffect, ...]] | None = None) -> tuple[NoEffect, ...]:
+    """Every :class:`NoEffect` of field ``f``: its own, and what its enclosing section field declares for it."""
+    rule = f.metadata.get("rule")
+    own = rule.no_effect if rule is not None else ()
+    return tuple(own) + tuple((below or {}).get(f.name, ()))
+
+
+def validate_tree(obj: Any, path: str = "", *, root: Any = None,
+                  below: dict[str, tuple[NoEffect, ...]] | None = None) -> None:
+    """Check every declared rule of a dataclass tree, then each class's ``validate``.
+
+    ``root`` is the whole config (for ``no_effect`` declarations that depend on the mode or on other keys);
+    ``below`` the ``no_effect`` declarations the enclosing section field makes for the keys of ``obj``.
+    """
+    root = obj if root is None else root
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         key_path = f"{path}.{f.name}" if path else f.name
         rule = f.metadata.get("rule")
         if dataclasses.is_dataclass(value):
-            validate_tree(value, key_path)
-        elif rule is not None:
+            validate_tree(value, key_path, root=root, below=f.metadata.get("no_effect_below"))
+            continue
+        if rule is not None:
             _check_rule(value, rule, key_path)
+        decls = no_effect_of(f, below)
+        if decls:
+            _check_no_effect(value, _default_of(f), decls, key_path, obj, root)
     _run_class_check(obj, path)
 
 

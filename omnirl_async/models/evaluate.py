@@ -78,7 +78,6 @@ def summarize(prompts: list[str], scores: np.ndarray, extra: dict[str, np.ndarra
     return m
 
 
-@torch.no_grad()
 def validation_settings(config) -> dict:
     """``batch_size`` and ``negative_prompt`` of validation from the root config.
 
@@ -93,6 +92,7 @@ def validation_settings(config) -> dict:
     return {"batch_size": batch_size, "negative_prompt": negative}
 
 
+@torch.no_grad()
 def evaluate_policy(policy, reward, prompts: list[str], val_cfg, *, seed: int = 0, batch_size: int = 32,
                     progress: bool = False, negative_prompt: str = "") -> EvalResult:
     """Generate ``val_cfg.n`` images per prompt with ``val_cfg.pipeline`` / ``val_cfg.algo`` and score them."""
