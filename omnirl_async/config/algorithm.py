@@ -43,6 +43,22 @@ class RolloutCorrectionConfig:
                                     "aligned with them; k1 with a single value u keeps [1/u, u], 'lo_hi' gives both bounds.")
     bypass_mode: bool = opt(False, "Skip the proximal recompute: old := behaviour. The PPO ratio then carries the IS term.")
 
+    def validate(self, path: str) -> None:
+        """The thresholds and criteria parse here, at start-up, not when the first loss is built."""
+        from omnirl_async.algos import rollout_correction as rc
+
+        for key, check in (("rollout_is_threshold", lambda: rc.parse_is_threshold(self.rollout_is_threshold)),
+                           ("rollout_rs", lambda: rc._parse_criteria(self.rollout_rs) if self.rollout_rs else None),
+                           ("rollout_rs_threshold", lambda: rc.parse_rs_thresholds(
+                               rc._parse_criteria(self.rollout_rs), self.rollout_rs_threshold)
+                            if self.rollout_rs else None)):
+            try:
+                check()
+            except (ValueError, TypeError) as err:
+                text = str(err)  # the parsers' messages already name the key when they can
+                raise ValueError(text if text.startswith("`") else
+                                 f"`{path}.{key}` = {getattr(self, key)!r}: {text}") from None
+
 
 @dataclass
 class DiffusionAlgoConfig:

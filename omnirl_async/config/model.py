@@ -44,7 +44,8 @@ class DiffusionModelConfig:
     enable_gradient_checkpointing: bool = opt(False, "Recompute activations in backward to save memory.")
     lora_rank: int = opt(8, "LoRA rank; 0 trains all transformer weights (full-weight publishing).", ge=0)
     lora_alpha: float = opt(16.0, "LoRA scaling numerator (scale = alpha / rank).", gt=0)
-    lora_init_weights: Any = opt("gaussian", "LoRA init (peft init_lora_weights): gaussian, true, false, pissa, olora, loftq...")
+    lora_init_weights: Any = opt("gaussian", "LoRA init (peft init_lora_weights): gaussian, true, false, orthogonal, "
+                                 "pissa, pissa_niter_<n>, olora.")
     target_modules: Any = opt("all-linear", "LoRA targets: all-linear or a list of module-name patterns.")
     target_parameters: Any = opt(None, "nn.Parameter names for LoRA.",
                                  no_effect=NoEffect("LoRA on raw parameters is not built yet; use target_modules",
@@ -65,3 +66,11 @@ class DiffusionModelConfig:
                                              "(`actor_rollout_ref.actor.strategy` = ddp), so nothing reads it")
     dtype: str = opt("fp32", "Compute dtype of the base weights. Log-probs are always computed in fp32.",
                      choices=("fp32", "bf16", "fp16"))
+
+    def validate(self, path: str) -> None:
+        init = self.lora_init_weights
+        allowed = (True, False, "gaussian", "orthogonal", "pissa", "olora")
+        if not (init in allowed or (isinstance(init, str) and init.startswith("pissa_niter_"))):
+            why = (" (loftq quantises the base model, which this project does not load)" if init == "loftq" else "")
+            raise ValueError(f"`{path}.lora_init_weights` = {init!r} is not supported{why}; choose one of "
+                             f"{list(allowed)} or 'pissa_niter_<n>'.")

@@ -136,3 +136,17 @@ def test_wait_strategy_refuses_buffer_settings_it_cannot_apply(override, key):
     assert key in str(err.value)
     load_config(["trainer.v1.trainer_mode=separate_async", "trainer.v1.sampler.max_off_policy_strategy=drop",
                  override])  # the drop strategy samples through the table: accepted
+
+
+@pytest.mark.parametrize("override, start", [
+    ("actor_rollout_ref.model.lora_init_weights=loftq",
+     "`actor_rollout_ref.model.lora_init_weights` = 'loftq' is not supported (loftq quantises the base model"),
+    ("algorithm.rollout_correction.rollout_is_threshold=[1,2]",
+     "`algorithm.rollout_correction.rollout_is_threshold` = [1, 2]: write a single threshold as a number"),
+    ("algorithm.rollout_correction.rollout_rs=seq_max_k1",
+     "`algorithm.rollout_correction.rollout_rs` criterion 'seq_max_k1' is not known"),
+])
+def test_settings_refused_at_build_time_are_refused_at_start_up(override, start):
+    with pytest.raises(ConfigError) as err:
+        load_config([override])
+    assert start in str(err.value)
