@@ -37,6 +37,7 @@ agree.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 
 import numpy as np
@@ -294,8 +295,9 @@ class SeparateAsyncTrainer(BaseTrainer):
         import ray
 
         self.dcall("stop")
+        failing = sys.exc_info()[0] is not None  # the loop is ending on an error: do not wait on stuck workers
         try:
-            self.final_worker_stats = ray.get(list(self.run_refs.values()), timeout=120)
+            self.final_worker_stats = ray.get(list(self.run_refs.values()), timeout=5 if failing else 120)
         except Exception as err:  # a dead worker at shutdown is reported, not raised
             self.printer(f"rollout workers did not stop cleanly: {type(err).__name__}: {err}")
             self.final_worker_stats = []
