@@ -36,6 +36,7 @@ agree.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import sys
 import time
@@ -257,15 +258,21 @@ class SeparateAsyncTrainer(BaseTrainer):
                 "rollout/min_worker_version": float(min(s["version"] for s in stats)),
                 "timing_s/reward": step_reward_s}
 
-    def save_checkpoint(self):
-        """Quiesce (no new leases, in-flight groups land), then save everything consistently."""
+    @contextlib.contextmanager
+    def quiesced(self, purpose: str):
+        """No new leases, and every in-flight group has landed, for the duration of the block."""
         self.dcall("pause", True)
         try:
             self._wait_until(lambda: not self.dcall("num_outstanding"),
-                             "in-flight prompt groups to land before a checkpoint", Timer())
-            return super().save_checkpoint()
+                             f"in-flight prompt groups to land before {purpose}", Timer())
+            yield
         finally:
             self.dcall("pause", False)
+
+    def save_checkpoint(self):
+        """Quiesce, then save everything consistently."""
+        with self.quiesced("a checkpoint"):
+            return super().save_checkpoint()
 
     # ------------------------------------------------------------------ hooks of the one loop
     def on_run_start(self) -> None:
@@ -306,17 +313,12 @@ class SeparateAsyncTrainer(BaseTrainer):
         """Validate the learner's current version: quiesce leasing, let worker 0 install it, score, resume."""
         import ray
 
-        self.dcall("pause", True)
-        try:
-            self._wait_until(lambda: not self.dcall("num_outstanding"),
-                             "in-flight prompt groups to land before validation", Timer())
+        with self.quiesced("validation"):
             got = ray.get(self.workers[0].pull_weights.remote(self.store), timeout=self.wait_timeout_s)
             if got != self.version:
                 raise RuntimeError(f"rollout worker 0 holds weights version {got} after pulling; the learner "
                                    f"published {self.version}")
             return super().validate()
-        finally:
-            self.dcall("pause", False)
 
     def progress_label(self) -> str:
         return f"async FlowGRPO (lag<={self.threshold})"
