@@ -28,10 +28,10 @@ Part 2 – sampling cost with 10^3 and 10^5 stored samples for every sampler
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
-from types import SimpleNamespace as NS
 
 import numpy as np
 import ray
@@ -39,7 +39,9 @@ from ray.util.queue import Queue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from omnirl_async.buffer import LocalReplayBuffer, make_replay_buffer  # noqa: E402
+from omnirl_async.buffer import LocalReplayBuffer  # noqa: E402
+from omnirl_async.buffer.spec import BufferSpec, CapacitySpec, StalenessSpec, TableSpec, TransportSpec  # noqa: E402
+from omnirl_async.buffer.transfer_queue import RayReplayBuffer  # noqa: E402
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags  # noqa: E402
 
 SIZES = [("4KB", 4 * 1024, 8, 2048), ("1MB", 1024**2, 4, 256), ("16MB", 16 * 1024**2, 1, 48)]
@@ -100,11 +102,12 @@ def throughput(quick: bool) -> None:
           f"{'buffer smp/s':>12} {'MB/s':>7} | {'fast smp/s':>10} {'MB/s':>7} | {'buf/raw':>7} "
           f"{'buf/queue':>9} {'fast/raw':>8} {'fast/queue':>10}")
     # actors are started outside the timed regions: starting one costs seconds on a loaded 2-core box
-    buf = make_replay_buffer(NS(sampler="fifo", max_size=1 << 20), NS(max_off_policy_threshold=None),
-                             NS(num_data_storage_units=2, memory_budget_bytes=256 * 1024**2), use_ray=True)
-    fast = make_replay_buffer(NS(sampler="fifo", max_size=1 << 20), NS(max_off_policy_threshold=None),
-                              NS(num_data_storage_units=2, memory_budget_bytes=256 * 1024**2,
-                                 producer_owned_payloads=True), use_ray=True)
+    spec = BufferSpec(table=TableSpec(sampler="fifo", max_size=1 << 20), staleness=StalenessSpec(threshold=None),
+                      capacity=CapacitySpec(memory_budget_bytes=256 * 1024**2),
+                      transport=TransportSpec(num_data_storage_units=2))
+    buf = RayReplayBuffer.create(spec)
+    fast = RayReplayBuffer.create(dataclasses.replace(
+        spec, transport=TransportSpec(num_data_storage_units=2, producer_owned_payloads=True)))
     q = Queue(maxsize=64)
     for label, nbytes, group, total in SIZES:
         if quick:
@@ -144,8 +147,10 @@ def sampling_cost(quick: bool) -> None:
     for sampler in ["fifo", "uniform", "prioritized", "freshness"]:
         cost = {}
         for n_items in (1_000, 100_000):
-            b = LocalReplayBuffer(NS(sampler=sampler, max_size=n_items, max_times_sampled=1 << 30),
-                                  NS(max_off_policy_threshold=8), NS(memory_budget_bytes=1 << 40), seed=0)
+            b = LocalReplayBuffer(BufferSpec(table=TableSpec(sampler=sampler, max_size=n_items,
+                                                             max_times_sampled=1 << 30),
+                                             staleness=StalenessSpec(threshold=8),
+                                             capacity=CapacitySpec(memory_budget_bytes=1 << 40)), seed=0)
             x = {"x": np.zeros((4, 1), np.float32)}
             for g in range(n_items // 4):
                 b.put(metas_for("s", g, 4), x)

@@ -29,75 +29,48 @@ from omnirl_async.buffer.rate_limiters import MinSize, RateLimiter, SampleToInse
 from omnirl_async.buffer.removers import MaxTimesSampled, make_remover
 from omnirl_async.buffer.samplers import make_sampler
 from omnirl_async.buffer.schema import FieldSpec
+from omnirl_async.buffer.spec import BufferSpec, RateSpec
 from omnirl_async.buffer.staleness import StalenessPolicy
 from omnirl_async.buffer.table import Item, Table
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
 
-__all__ = ["BufferCore", "cfg_get"]
-
-DEFAULT_TIMEOUT_S = 600.0
-
-
-def cfg_get(cfg: Any, name: str, default: Any) -> Any:
-    """Read ``cfg.name`` from a dataclass, namespace or mapping; ``default`` when absent."""
-    if cfg is None:
-        return default
-    if isinstance(cfg, dict):
-        return cfg.get(name, default)
-    return getattr(cfg, name, default)
+__all__ = ["BufferCore"]
 
 
 class BufferCore:
-    def __init__(self, buffer_cfg: Any = None, sampler_cfg: Any = None, tq_cfg: Any = None, *,
-                 seed: int | None = None) -> None:
-        b, s, q = buffer_cfg, sampler_cfg, tq_cfg
-        self.max_times = MaxTimesSampled(cfg_get(b, "max_times_sampled", 1))
-        max_size = cfg_get(b, "max_size", 4096)
-        if not (isinstance(max_size, int) and max_size > 0):
-            raise ValueError(f"`buffer.max_size` = {max_size!r}: must be an integer > 0")
-        self.limiter = self._make_limiter(b, max_size)
-        self.staleness = StalenessPolicy(cfg_get(s, "max_off_policy_threshold", 1),
-                                         cfg_get(s, "max_off_policy_strategy", "wait"))
-        ratio = float(cfg_get(b, "offline_mix_ratio", 0.0))
-        if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"`buffer.offline_mix_ratio` = {ratio!r}: must be in [0, 1]")
-        self.offline_mix_ratio = ratio
-        self.total_storage_size = cfg_get(q, "total_storage_size", None)
-        self.memory_budget_bytes = int(cfg_get(q, "memory_budget_bytes", 2 * 1024**3))
-        self.default_timeout = float(cfg_get(q, "put_timeout_s", DEFAULT_TIMEOUT_S))
+    """The tables and their lock, built from a :class:`~omnirl_async.buffer.spec.BufferSpec` (checked there)."""
+
+    def __init__(self, spec: BufferSpec, *, seed: int | None = None) -> None:
+        if not isinstance(spec, BufferSpec):
+            raise ValueError(f"`spec` = {spec!r}: must be a BufferSpec (build one from the config sections with "
+                             "BufferSpec.from_sections)")
+        self.spec = spec
+        t = spec.table
+        self.max_times = MaxTimesSampled(t.max_times_sampled)
+        self.limiter = self._make_limiter(spec.rate)
+        self.staleness = StalenessPolicy(spec.staleness.threshold, spec.staleness.strategy)
+        self.offline_mix_ratio = float(spec.offline_mix_ratio)
+        self.total_storage_size = spec.capacity.total_storage_size
+        self.memory_budget_bytes = int(spec.capacity.memory_budget_bytes)
+        self.default_timeout = float(spec.capacity.put_timeout_s)
         self.metrics = BufferMetrics()
-        custom = cfg_get(s, "custom_sampler", None)
-        sampler_name = cfg_get(b, "sampler", "fifo")
-        defaults = {"prioritized": {"exponent": cfg_get(b, "priority_exponent", 0.6)},
-                    "freshness": {"decay": cfg_get(b, "freshness_decay", 0.5)}}.get(sampler_name, {})
-        remover_name = cfg_get(b, "remover", "fifo")
         self.tables: dict[str, Table] = {}
         for src in SampleSource:
-            sampler = make_sampler(sampler_name, custom_path=cfg_get(custom, "path", None),
-                                   custom_name=cfg_get(custom, "name", None), defaults=defaults,
-                                   kwargs=cfg_get(s, "sampler_kwargs", None))
+            sampler = make_sampler(t.sampler, custom_path=t.custom_sampler_path, custom_name=t.custom_sampler_name,
+                                   defaults=t.sampler_defaults(), kwargs=t.sampler_kwargs)
             self.tables[src.value] = Table(
-                src, sampler=sampler, remover=make_remover(remover_name), max_times=self.max_times,
-                max_size=max_size, staleness=self.staleness, limiter=self.limiter, metrics=self.metrics,
-                drop_incomplete_groups=bool(cfg_get(s, "drop_incomplete_groups", False)),
-                max_refill_rounds=int(cfg_get(s, "max_incomplete_group_refill_rounds", 3)))
+                src, sampler=sampler, remover=make_remover(t.remover), max_times=self.max_times,
+                max_size=t.max_size, staleness=self.staleness, limiter=self.limiter, metrics=self.metrics,
+                drop_incomplete_groups=bool(t.drop_incomplete_groups), max_refill_rounds=int(t.max_refill_rounds))
         self.rng = np.random.default_rng(seed)
         self.cond = threading.Condition()
         self.learner_version: int | None = None
 
-    def _make_limiter(self, b: Any, max_size: int) -> RateLimiter:
-        min_size = cfg_get(b, "min_size_to_sample", None) or 0
-        if min_size > max_size:
-            raise ValueError(f"`buffer.min_size_to_sample` = {min_size} must deadlock: it exceeds "
-                             f"`buffer.max_size` = {max_size}")
-        spi = cfg_get(b, "samples_per_insert", None)
-        if spi is None:
-            return MinSize(min_size)
-        if spi > self.max_times.max_times_sampled:
-            raise ValueError(f"`buffer.samples_per_insert` = {spi} must deadlock: each sample can be drawn "
-                             f"at most `buffer.max_times_sampled` = {self.max_times.max_times_sampled} times; "
-                             "raise max_times_sampled or lower samples_per_insert")
-        return SampleToInsertRatio(spi, min_size, cfg_get(b, "samples_per_insert_error_buffer", None))
+    @staticmethod
+    def _make_limiter(rate: RateSpec) -> RateLimiter:
+        if rate.samples_per_insert is None:
+            return MinSize(rate.min_size)
+        return SampleToInsertRatio(rate.samples_per_insert, rate.min_size, rate.error_buffer)
 
     # ------------------------------------------------------------------ helpers
     def _deadline(self, timeout: float | None) -> float:

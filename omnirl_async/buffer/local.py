@@ -30,6 +30,7 @@ import numpy as np
 from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, assemble_fields
 from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.schema import describe_fields, spec_of
+from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
 
 __all__ = ["LocalReplayBuffer", "prepare_put"]
@@ -66,11 +67,10 @@ def check_field_names(parts, names: Sequence[str] | None) -> None:
 
 
 class LocalReplayBuffer(ReplayBuffer):
-    """See the module docstring. Configs are duck-typed (dataclass, namespace or dict)."""
+    """See the module docstring. ``spec`` None = :class:`BufferSpec` defaults (``transport`` is unused here)."""
 
-    def __init__(self, buffer_cfg: Any = None, sampler_cfg: Any = None, tq_cfg: Any = None, *,
-                 seed: int | None = None) -> None:
-        self._core = BufferCore(buffer_cfg, sampler_cfg, tq_cfg, seed=seed)
+    def __init__(self, spec: BufferSpec | None = None, *, seed: int | None = None) -> None:
+        self._core = BufferCore(BufferSpec() if spec is None else spec, seed=seed)
 
     @property
     def core(self) -> BufferCore:

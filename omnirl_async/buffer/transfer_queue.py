@@ -51,9 +51,10 @@ import numpy as np
 import ray
 
 from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, assemble_fields
-from omnirl_async.buffer.core import BufferCore, cfg_get
+from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.local import check_field_names, prepare_put
 from omnirl_async.buffer.schema import FieldSpec
+from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
 
 __all__ = ["StorageUnit", "TransferQueueController", "RayReplayBuffer", "unit_for"]
@@ -102,9 +103,8 @@ def _guard(fn):
 class _Controller:
     """Metadata, tables and blocking logic; payloads are ``ObjectRef`` s owned by the units."""
 
-    def __init__(self, buffer_cfg: Any, sampler_cfg: Any, tq_cfg: Any, seed: int | None,
-                 units: list) -> None:
-        self.core = BufferCore(buffer_cfg, sampler_cfg, tq_cfg, seed=seed)
+    def __init__(self, spec: BufferSpec, seed: int | None, units: list) -> None:
+        self.core = BufferCore(spec, seed=seed)
         self.units = units
 
     def assert_healthy(self) -> int:
@@ -190,18 +190,16 @@ class RayReplayBuffer(ReplayBuffer):
         self._owner = owner
 
     @classmethod
-    def create(cls, buffer_cfg: Any = None, sampler_cfg: Any = None, tq_cfg: Any = None, *,
-               seed: int | None = None) -> "RayReplayBuffer":
+    def create(cls, spec: BufferSpec | None = None, *, seed: int | None = None) -> "RayReplayBuffer":
+        """Start the controller and ``spec.transport.num_data_storage_units`` storage units; None = defaults."""
         if not ray.is_initialized():
             raise RuntimeError("make_replay_buffer(use_ray=True) needs Ray: call ray.init() first")
-        k = cfg_get(tq_cfg, "num_data_storage_units", 2)
-        if not (isinstance(k, int) and k >= 1):
-            raise ValueError(f"`transfer_queue.num_data_storage_units` = {k!r}: must be an integer >= 1")
-        BufferCore(buffer_cfg, sampler_cfg, tq_cfg)  # validate here: config errors surface in the caller
-        units = [StorageUnit.remote(i) for i in range(k)]
-        controller = TransferQueueController.remote(buffer_cfg, sampler_cfg, tq_cfg, seed, units)
-        buf = cls(controller, units, float(cfg_get(tq_cfg, "put_timeout_s", 600.0)),
-                  bool(cfg_get(tq_cfg, "producer_owned_payloads", False)), owner=True)
+        spec = BufferSpec() if spec is None else spec
+        BufferCore(spec)  # build it here too: sampler / remover errors surface in the caller, not in an actor
+        units = [StorageUnit.remote(i) for i in range(spec.transport.num_data_storage_units)]
+        controller = TransferQueueController.remote(spec, seed, units)
+        buf = cls(controller, units, float(spec.capacity.put_timeout_s), spec.transport.producer_owned_payloads,
+                  owner=True)
         ray.get(controller.assert_healthy.remote(), timeout=120)
         return buf
 

@@ -1,36 +1,38 @@
-"""Helpers shared by the buffer tests: configs as namespaces, groups of samples."""
+"""Helpers shared by the buffer tests: config sections and specs, groups of samples."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+import dataclasses
 
 import numpy as np
 import pytest
 
+from omnirl_async.buffer.spec import BufferSpec
+from omnirl_async.config.buffer import BufferConfig, TransferQueueConfig
+from omnirl_async.config.trainer import CustomSamplerConfig, V1SamplerConfig
 from omnirl_async.protocol import SampleMeta, SampleSource, SampleStatus, SampleTags
 
 
-def buffer_cfg(**kw):
-    base = dict(sampler="fifo", remover="fifo", max_size=4096, max_times_sampled=1, min_size_to_sample=None,
-                samples_per_insert=None, samples_per_insert_error_buffer=None, priority_exponent=0.6,
-                freshness_decay=0.5, offline_mix_ratio=0.0, snapshot_with_checkpoint=True)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def buffer_cfg(**kw) -> BufferConfig:
+    """The ``buffer`` section: the schema's defaults, ``kw`` overriding (not checked: the spec checks)."""
+    return dataclasses.replace(BufferConfig(), **kw)
 
 
-def sampler_cfg(**kw):
-    base = dict(max_off_policy_threshold=1, max_off_policy_strategy="wait", drop_incomplete_groups=False,
-                max_incomplete_group_refill_rounds=3, custom_sampler=SimpleNamespace(path=None, name=None),
-                sampler_kwargs={})
-    base.update(kw)
-    return SimpleNamespace(**base)
+def sampler_cfg(**kw) -> V1SamplerConfig:
+    """The ``trainer.v1.sampler`` section; ``custom_sampler`` may be given as a dict of path / name."""
+    if isinstance(kw.get("custom_sampler"), dict):
+        kw["custom_sampler"] = CustomSamplerConfig(**kw["custom_sampler"])
+    return dataclasses.replace(V1SamplerConfig(), **kw)
 
 
-def tq_cfg(**kw):
-    base = dict(num_data_storage_units=2, total_storage_size=None, memory_budget_bytes=2 * 1024**3,
-                put_timeout_s=600.0)
-    base.update(kw)
-    return SimpleNamespace(**base)
+def tq_cfg(**kw) -> TransferQueueConfig:
+    """The ``transfer_queue`` section."""
+    return dataclasses.replace(TransferQueueConfig(), **kw)
+
+
+def spec(b=None, s=None, q=None, **buffer_kw) -> BufferSpec:
+    """The spec of these sections (None = defaults; ``buffer_kw`` override ``buffer.*`` keys when ``b`` is None)."""
+    return BufferSpec.from_sections(b or buffer_cfg(**buffer_kw), s or sampler_cfg(), q or tq_cfg())
 
 
 def make_group(gid: str, n: int = 4, version: int | None = 0, *, failed=(), dim: int = 3,

@@ -10,13 +10,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import buffer_cfg, check_rows, make_group, sampler_cfg, tq_cfg
+from conftest import buffer_cfg, check_rows, make_group, sampler_cfg, spec, tq_cfg
 from omnirl_async.buffer import LocalReplayBuffer, make_replay_buffer
 from omnirl_async.protocol import SampleSource, SampleStatus
 
 
 def buf(b=None, s=None, q=None, **kw):
-    return LocalReplayBuffer(b or buffer_cfg(**kw), s or sampler_cfg(), q or tq_cfg(), seed=0)
+    return LocalReplayBuffer(spec(b, s, q, **kw), seed=0)
 
 
 def test_groups_returned_whole_and_in_order():
@@ -297,7 +297,9 @@ def test_threads_producers_consumers_lose_nothing():
 
 
 def test_factory_local():
-    assert isinstance(make_replay_buffer(buffer_cfg(), sampler_cfg(), tq_cfg(), use_ray=False), LocalReplayBuffer)
-    b = make_replay_buffer(None, None, None, use_ray=False)  # all defaults
+    b = make_replay_buffer(buffer_cfg(), sampler_cfg(), tq_cfg(), use_ray=False)  # the schema's defaults
+    assert isinstance(b, LocalReplayBuffer)
     b.put(*make_group("g", 2))
     assert b.size() == 2
+    with pytest.raises(ValueError, match=r"`buffer`: no config section given"):
+        make_replay_buffer(None, sampler_cfg(), tq_cfg(), use_ray=False)

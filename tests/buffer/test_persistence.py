@@ -8,15 +8,15 @@ import msgspec
 import numpy as np
 import pytest
 
-from conftest import buffer_cfg, make_group, sampler_cfg, tq_cfg
+from conftest import buffer_cfg, make_group, sampler_cfg, spec
 from omnirl_async.buffer import LocalReplayBuffer
 from omnirl_async.buffer import persistence
 from omnirl_async.protocol import SampleSource
 
 
 def filled(sampler="uniform"):
-    b = LocalReplayBuffer(buffer_cfg(sampler=sampler, max_times_sampled=2), sampler_cfg(max_off_policy_threshold=5),
-                          tq_cfg(), seed=0)
+    b = LocalReplayBuffer(spec(buffer_cfg(sampler=sampler, max_times_sampled=2),
+                               sampler_cfg(max_off_policy_threshold=5)), seed=0)
     rng = np.random.default_rng(0)
     for g in range(6):
         metas, fields = make_group(f"g{g}", 3, version=g, failed=(1,) if g == 2 else ())
@@ -51,8 +51,8 @@ def assert_same(a, b):
 def test_round_trip_bit_exact(tmp_path, sampler):
     a = filled(sampler)
     a.snapshot(tmp_path / "snap")
-    b = LocalReplayBuffer(buffer_cfg(sampler=sampler, max_times_sampled=2), sampler_cfg(max_off_policy_threshold=5),
-                          tq_cfg(), seed=0)
+    b = LocalReplayBuffer(spec(buffer_cfg(sampler=sampler, max_times_sampled=2),
+                               sampler_cfg(max_off_policy_threshold=5)), seed=0)
     b.put(*make_group("junk", 2))  # restore replaces contents
     b.restore(tmp_path / "snap")
     assert_same(a, b)
