@@ -1,4 +1,5 @@
-"""Algorithms: advantage estimators, diffusion losses and rollout correction.
+"""Algorithms: advantage estimators, diffusion losses, rollout correction, and the
+direct-preference helpers (old-policy EMA schedule, online preference pairs).
 
 Each family is a registry so that an algorithm can add its own piece without
 touching the learner: ``@register_diffusion_adv_est(name)`` and
@@ -14,15 +15,29 @@ from omnirl_async.algos.advantage import (
     registered_adv_estimators,
 )
 from omnirl_async.algos.losses import (
+    AWMLoss,
+    DiffusionDPOLoss,
     DiffusionLossFn,
     DiffusionLossResult,
+    DiffusionNFTLoss,
     FlowDPPOLoss,
     FlowGRPOLoss,
     GRPOGuardLoss,
     KLLoss,
     get_diffusion_loss_fn,
+    loss_trainer_type,
     register_diffusion_loss,
     registered_losses,
+)
+from omnirl_async.algos.old_policy import DECAY_SCHEDULES, decay_at, ema_update_
+from omnirl_async.algos.pairs import (
+    OnlinePairs,
+    interleave,
+    pair_chunks,
+    pair_minibatches,
+    pair_rows,
+    rank_pair_rows,
+    select_online_pairs,
 )
 from omnirl_async.algos.rollout_correction import RolloutCorrectionResult, compute_rollout_correction
 
@@ -42,6 +57,20 @@ __all__ = [
     "KLLoss",
     "GRPOGuardLoss",
     "FlowDPPOLoss",
+    "DiffusionNFTLoss",
+    "DiffusionDPOLoss",
+    "AWMLoss",
+    "loss_trainer_type",
+    "DECAY_SCHEDULES",
+    "decay_at",
+    "ema_update_",
+    "OnlinePairs",
+    "select_online_pairs",
+    "interleave",
+    "pair_rows",
+    "pair_chunks",
+    "rank_pair_rows",
+    "pair_minibatches",
     "compute_rollout_correction",
     "RolloutCorrectionResult",
 ]

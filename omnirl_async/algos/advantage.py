@@ -56,6 +56,9 @@ class DiffusionAdvantageEstimator(str, Enum):
     MIX_GRPO = "mix_grpo"
     DANCE_GRPO = "dance_grpo"
     GRPO_GUARD = "grpo_guard"
+    DIFFUSION_NFT = "diffusion_nft"
+    DPO = "dpo"
+    AWM = "awm"
 
 
 _ADV_ESTIMATORS: dict[str, Callable] = {}
@@ -191,6 +194,9 @@ def _group_advantage(rewards, index, *, epsilon, norm_adv_by_std_in_grpo, global
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.FLOW_GRPO)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.MIX_GRPO)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.GRPO_GUARD)
+@register_diffusion_adv_est(DiffusionAdvantageEstimator.DIFFUSION_NFT)
+@register_diffusion_adv_est(DiffusionAdvantageEstimator.DPO)
+@register_diffusion_adv_est(DiffusionAdvantageEstimator.AWM)
 def compute_flow_grpo_outcome_advantage(
     rewards: torch.Tensor,
     index: Sequence,
@@ -204,7 +210,10 @@ def compute_flow_grpo_outcome_advantage(
     """Flow-GRPO group advantage with population std (see the module docstring).
 
     Also registered as ``mix_grpo`` and ``grpo_guard`` (GRPO-Guard runs with
-    ``algorithm.global_std=false``; that is a config choice, not a new formula).
+    ``algorithm.global_std=false``; that is a config choice, not a new formula),
+    and as ``diffusion_nft``, ``dpo`` and ``awm``: the direct-preference losses
+    read the same group advantage (NFT maps it to an optimality probability,
+    DPO picks each group's best and worst by it, AWM weights by it).
 
     Args:
         rewards: ``Tensor[B]`` (or ``[B, 1]``) per-sample rewards.

@@ -35,6 +35,24 @@ its keep mask (RS and masked-IS rejections) multiplies ``data['is_weights']``,
 the same slot that carries the decoupled-mode weights, and its
 ``rollout_corr/*`` metrics join the loss's metrics. No gradient flows through
 the mask; the IS weight values are reported only (the ratio is the IS term).
+
+Trainer types: every loss class carries ``trainer_type``. The policy-gradient
+losses above (``"policy_gradient"``, the default) train on stored SDE steps;
+the direct-preference losses (``"direct_preference"``: DiffusionNFT,
+Diffusion-DPO, AWM: :mod:`.diffusion_nft`, :mod:`.dpo`, :mod:`.awm`) train on the forward process and
+read velocities instead:
+
+``model_output``
+    ``v [B, ...]`` current policy velocity at ``x_t = (1-t)*x0 + t*eps``
+    (carries gradients); ``v_old`` (old / EMA adapter) and ``v_ref`` (adapter
+    disabled), no gradients.
+``data``
+    ``x0``, ``eps`` ``[B, ...]``, ``t [B]`` (sigma in (0, 1)), ``advantages [B]``,
+    optionally ``is_weights [B]``; AWM also ``v_prox`` (the policy before this
+    update at the same ``x_t``).
+
+:func:`loss_trainer_type` gives a registered loss's type, so start-up can
+refuse a loss paired with the wrong trainer.
 """
 
 from __future__ import annotations
@@ -56,9 +74,12 @@ __all__ = [
     "get_diffusion_loss_fn",
     "registered_losses",
     "mean_dims",
+    "loss_trainer_type",
+    "TRAINER_TYPES",
 ]
 
 _LOSS_PATH = "actor_rollout_ref.actor.diffusion_loss"
+TRAINER_TYPES = ("policy_gradient", "direct_preference")
 _ACTOR_PATH = "actor_rollout_ref.actor"
 
 
@@ -84,6 +105,9 @@ class DiffusionLossFn(ABC):
     """
 
     name: ClassVar[str] = "base"
+    #: Which trainer feeds this loss: "policy_gradient" (stored SDE steps, log-probs) or
+    #: "direct_preference" (forward-process velocities, see the module docstring).
+    trainer_type: ClassVar[str] = "policy_gradient"
     required_model_outputs: ClassVar[tuple[str, ...]] = ()
     required_data_keys: ClassVar[tuple[str, ...]] = ()
 
@@ -226,6 +250,9 @@ def register_diffusion_loss(name_or_enum):
         if name in _LOSSES and _LOSSES[name] is not cls:
             raise ValueError(f"diffusion loss {name!r} is already registered to {_LOSSES[name].__qualname__}; "
                              "pick another name.")
+        if cls.trainer_type not in TRAINER_TYPES:
+            raise ValueError(f"diffusion loss {name!r} ({cls.__qualname__}) has trainer_type "
+                             f"{cls.trainer_type!r}; must be one of {list(TRAINER_TYPES)}.")
         _LOSSES[name] = cls
         if "name" not in cls.__dict__:
             cls.name = name
@@ -247,3 +274,11 @@ def get_diffusion_loss_fn(name_or_enum) -> type[DiffusionLossFn]:
                          f"registered: {list(registered_losses())}. Register new ones with "
                          "@register_diffusion_loss.")
     return _LOSSES[name]
+
+
+def loss_trainer_type(name_or_enum) -> str:
+    """``trainer_type`` of the loss registered under ``name`` (``"policy_gradient"`` or ``"direct_preference"``).
+
+    Unknown names raise the :func:`get_diffusion_loss_fn` ``ValueError`` listing the registered ones.
+    """
+    return get_diffusion_loss_fn(name_or_enum).trainer_type
