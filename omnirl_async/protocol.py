@@ -107,6 +107,8 @@ class WeightsInfo(msgspec.Struct, kw_only=True):
     num_bytes: int
     is_lora: bool
     published_at: float = msgspec.field(default_factory=time.time)
+    #: the learner update each policy state holds: {"default": u} (+ {"old": u_old} with DiffusionNFT's old adapter)
+    adapter_versions: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class RefillRequest(msgspec.Struct, kw_only=True):

@@ -115,6 +115,8 @@ class RolloutWorker:
         self.window = SDEWindow(num_steps=steps, window_size=algo.sde_window_size,
                                 window_range=algo.sde_window_range, strategy=algo.sample_strategy,
                                 iters_per_group=algo.iters_per_group, seed=algo.sde_window_seed)
+        # policy gradient trains the stored SDE steps; direct preference re-noises the clean latents x0
+        self.keep_trajectory = config.algorithm.trainer_type != "direct_preference"
         self.version = 0
         self.max_inflight_scores = 4  # groups being scored while the next one is sampled
         self._pool = ThreadPoolExecutor(max_workers=self.max_inflight_scores, thread_name_prefix="score")
@@ -270,8 +272,9 @@ class RolloutWorker:
                 width=pcfg.width, num_inference_steps=pcfg.num_inference_steps, noise_level=acfg.noise_level,
                 sde_type=acfg.sde_type, window=window, true_cfg_scale=pcfg.true_cfg_scale,
                 guidance_scale=pcfg.guidance_scale,
-                shared_noise_groups=[0] * len(chunk) if acfg.sde_type == "dance" else None)
-            part = out.to_fields()
+                shared_noise_groups=[0] * len(chunk) if acfg.sde_type == "dance" else None,
+                keep_trajectory=self.keep_trajectory)
+            part = out.to_fields(trajectory=self.keep_trajectory)
             if acfg.sde_type == "dance" and lo > 0:
                 part = {k: v[1:] for k, v in part.items()}
             parts.append(part)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_async.config.algorithm import DIRECT_PREFERENCE_ONLY
+from omnirl_async.config.algorithm import PREFERENCE_LOSSES
 from omnirl_async.config.fields import NoEffect, opt
 
 __all__ = ["DiffusionLossConfig", "OptimConfig", "DiffusionActorConfig", "loss_reads_kl", "losses_ignoring_kl"]
@@ -53,6 +53,28 @@ def _kl_off(actor: Any, root: Any) -> str | None:
     return None if actor.use_kl_loss else "while `actor_rollout_ref.actor.use_kl_loss` = false"
 
 
+def _loss_not(*names: str):
+    """A ``when`` condition: the key has no effect unless ``diffusion_loss.loss_mode`` is one of ``names``."""
+    def when(loss: Any, root: Any) -> str | None:
+        return None if loss.loss_mode in names else f"with `actor_rollout_ref.actor.diffusion_loss.loss_mode` = {loss.loss_mode!r}"
+    return when
+
+
+def _only_with(names: tuple[str, ...], what: str) -> NoEffect:
+    return NoEffect(f"only {' / '.join(names)} read{'s' if len(names) == 1 else ''} {what}", when=_loss_not(*names),
+                    when_doc=f"unless `loss_mode` = {' / '.join(names)}",
+                    fix=f"leave it at its default ({{default}}), or use loss_mode {' / '.join(names)}")
+
+
+def _preference_loss(loss: Any, root: Any) -> str | None:
+    return (f"with the direct-preference `loss_mode` = {loss.loss_mode!r}" if loss.loss_mode in PREFERENCE_LOSSES
+            else None)
+
+
+#: policy-gradient ratio options: a direct-preference loss has no per-step log-prob ratio
+_PG_ONLY = NoEffect("direct-preference losses have no per-step policy ratio to clip or mask", when=_preference_loss,
+                    when_doc="with `loss_mode` = " + " / ".join(PREFERENCE_LOSSES))
+
 _NO_DISTILL = ("distillation is not built yet (`actor_rollout_ref.actor.use_distill_loss` = true is refused), so "
                "nothing reads it")
 
@@ -62,15 +84,24 @@ class DiffusionLossConfig:
     loss_mode: str = opt("${oc.select:actor_rollout_ref.model.algorithm,flow_grpo}",
                          "Loss registry key; defaults to actor_rollout_ref.model.algorithm.", choices=_losses)
     clip_ratio: float = opt(1e-4, "PPO clip epsilon on the per-step ratio (FlowGRPO uses a tiny one; "
-                            "cps log-probs are unscaled, so their sensible range is ~1e-5).", gt=0)
+                            "cps log-probs are unscaled, so their sensible range is ~1e-5).", gt=0, no_effect=_PG_ONLY)
     adv_clip_max: float = opt(5.0, "Advantages are clipped to +-adv_clip_max before the loss.", gt=0)
-    mix_beta: float = opt(0.5, "DiffusionNFT mixing beta.", gt=0, no_effect=DIRECT_PREFERENCE_ONLY)
-    ref_kl_coef: float = opt(0.0, "DiffusionNFT reference MSE coefficient.", ge=0, no_effect=DIRECT_PREFERENCE_ONLY)
+    mix_beta: float = opt(0.5, "DiffusionNFT mixing beta: v+ = beta*v + (1-beta)*v_old.", gt=0,
+                          no_effect=_only_with(("diffusion_nft",), "the mixing beta"))
+    ref_kl_coef: float = opt(0.0, "DiffusionNFT / AWM: coefficient of mean((v - v_ref)^2), the MSE to the reference "
+                             "(base model, adapter disabled).", ge=0,
+                             no_effect=_only_with(("diffusion_nft", "awm"), "the reference MSE coefficient"))
     adaptive_weight_min: float = opt(1e-5, "DiffusionNFT adaptive-weight floor.", gt=0,
-                                     no_effect=DIRECT_PREFERENCE_ONLY)
-    dpo_beta: float = opt(2000.0, "Diffusion-DPO inverse temperature.", gt=0, no_effect=DIRECT_PREFERENCE_ONLY)
-    kl_mask_threshold: float = opt(1e-5, "Flow-DPPO drift threshold tau.", gt=0)
-    add_kl_coefficient: bool = opt(True, "Flow-DPPO: normalise the mean drift by the SDE noise scale.")
+                                     no_effect=_only_with(("diffusion_nft",), "the adaptive-weight floor"))
+    dpo_beta: float = opt(2000.0, "Diffusion-DPO inverse temperature.", gt=0,
+                          no_effect=_only_with(("dpo",), "the DPO inverse temperature"))
+    old_kl_coef: float = opt(0.0, "AWM: coefficient of mean((v - v_old)^2), the MSE to the EMA policy (the 'old' "
+                             "adapter; needs policy_state_adapters=[default,old] when > 0).", ge=0,
+                             no_effect=_only_with(("awm",), "the EMA-policy MSE coefficient"))
+    kl_mask_threshold: float = opt(1e-5, "Flow-DPPO drift threshold tau.", gt=0,
+                                   no_effect=_only_with(("flow_dppo",), "the drift threshold"))
+    add_kl_coefficient: bool = opt(True, "Flow-DPPO: normalise the mean drift by the SDE noise scale.",
+                                   no_effect=_only_with(("flow_dppo",), "the drift normalisation"))
 
 
 @dataclass

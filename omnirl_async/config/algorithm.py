@@ -5,16 +5,30 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from omnirl_async.config.fields import opt
+from omnirl_async.config.fields import NoEffect, opt
 
-__all__ = ["RolloutCorrectionConfig", "DiffusionAlgoConfig",
-           "DIRECT_PREFERENCE_ONLY", "DIRECT_PREFERENCE_TRAINER"]
+__all__ = ["RolloutCorrectionConfig", "DiffusionAlgoConfig", "PREFERENCE_LOSSES", "DIRECT_PREFERENCE_TRAINER"]
 
-_NOT_BUILT_DP = "direct-preference training (DPO, DiffusionNFT, AWM) is not built yet"
-#: Reason for the keys only the direct-preference trainer would read (also used by actor.py and model.py).
-DIRECT_PREFERENCE_TRAINER = ("`algorithm.trainer_type` = direct_preference (DiffusionNFT / DPO / AWM), which is "
-                             "not built yet")
-DIRECT_PREFERENCE_ONLY = f"it is used by {DIRECT_PREFERENCE_TRAINER}"
+#: The losses of the direct-preference trainer, and which of them read the old adapter / pairs.
+PREFERENCE_LOSSES = ("diffusion_nft", "dpo", "awm")
+DIRECT_PREFERENCE_TRAINER = "`algorithm.trainer_type` = direct_preference (DiffusionNFT / DPO / AWM)"
+
+
+def _old_policy_absent(algo: Any, root: Any) -> str | None:
+    states = root.actor_rollout_ref.model.policy_state_adapters or ["default"]
+    if "old" in states and algo.trainer_type == "direct_preference":
+        return None
+    return ("while `actor_rollout_ref.model.policy_state_adapters` has no 'old' adapter"
+            if algo.trainer_type == "direct_preference" else "with `algorithm.trainer_type` = policy_gradient")
+
+
+#: The old-policy keys act only when an old adapter exists (DiffusionNFT's rollout policy, AWM's EMA policy).
+_OLD_POLICY_ONLY = NoEffect("only the 'old' LoRA adapter (DiffusionNFT / AWM, direct_preference trainer) is "
+                            "refreshed on this schedule", when=_old_policy_absent,
+                            when_doc="unless `algorithm.trainer_type` = direct_preference and "
+                                     "`actor_rollout_ref.model.policy_state_adapters` holds 'old'",
+                            fix="leave it at its default ({default}), or add the old adapter: "
+                                "`actor_rollout_ref.model.policy_state_adapters=[default,old]`")
 
 
 def _adv_estimators():
@@ -63,8 +77,7 @@ class RolloutCorrectionConfig:
 @dataclass
 class DiffusionAlgoConfig:
     trainer_type: str = opt("policy_gradient", "policy_gradient (FlowGRPO family) or direct_preference.",
-                            choices=("policy_gradient", "direct_preference"),
-                            not_built={"direct_preference": _NOT_BUILT_DP})
+                            choices=("policy_gradient", "direct_preference"))
     sample_source: str = opt("online", "online (rollout + reward) or offline (precomputed batches).",
                              choices=("online", "offline"),
                              not_built={"offline": "offline sample_source (actor-only training on precomputed data) is not built yet"})
@@ -75,14 +88,15 @@ class DiffusionAlgoConfig:
     global_std: bool = opt(True, "Use the std over the whole batch instead of within each group.")
     old_policy_decay_schedule: str = opt("copy", "DiffusionNFT old-policy EMA schedule.",
                                          choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999"),
-                                         no_effect=DIRECT_PREFERENCE_ONLY)
+                                         no_effect=_OLD_POLICY_ONLY)
     old_policy_decay: Any = opt(None, "Fixed old-policy EMA decay in [0, 1]; overrides the schedule.", ge=0.0, le=1.0,
-                                no_effect=DIRECT_PREFERENCE_ONLY)
+                                no_effect=_OLD_POLICY_ONLY)
     old_policy_update_interval: int = opt(1, "DiffusionNFT optimizer steps between old-policy refreshes.", gt=0,
-                                          no_effect=DIRECT_PREFERENCE_ONLY)
+                                          no_effect=_OLD_POLICY_ONLY)
     timestep_fraction: float = opt(1.0, "Fraction of the trained SDE steps used per sample, in (0, 1].", gt=0.0, le=1.0)
     adv_mode: str = opt("continuous", "Advantage mapping.",
                         choices=("continuous", "positive_only", "negative_only", "one_only", "binary"))
-    paired_preference: bool = opt(False, "Pair-based algorithms (offline DPO).",
-                                  not_built={True: "paired preference data is not built yet"})
+    paired_preference: bool = opt(False, "Batches of (winner, loser) pairs, never split across mini-batches or "
+                                  "learners; the pair-based loss (dpo) needs it. Online pairs are the best and worst "
+                                  "sample of each group (ties skipped).")
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

@@ -28,10 +28,7 @@ class DiffusionModelConfig:
     path: str = opt(DEFAULT_MODEL_PATH, "Local diffusers pipeline folder (model_index.json inside), "
                     "or embedded:tiny-sd3 / embedded:tiny-flux for the models the project builds.")
     algorithm: str = opt("flow_grpo", "RL algorithm; drives the default loss_mode and adv_estimator.",
-                         choices=_ALGORITHMS,
-                         not_built={"diffusion_nft": "DiffusionNFT is not built yet",
-                                    "dpo": "Diffusion-DPO is not built yet",
-                                    "awm": "AWM is not built yet"})
+                         choices=_ALGORITHMS)
     tokenizer_path: Any = opt(None, "Tokenizer folder if not inside path (falls back to <path>/tokenizer).",
                               no_effect=_OUTSIDE_PIPELINE)
     config_path: Any = opt(None, "Transformer config folder; null = <path>/<transformer_subfolder>.",
@@ -53,12 +50,16 @@ class DiffusionModelConfig:
     exclude_modules: Any = opt(None, "Module-name patterns excluded from LoRA (list or regex string).")
     lora_adapter_path: Any = opt(None, "PEFT adapter folder to continue training from.")
     policy_state_adapters: Any = opt(None, "Named LoRA policy states the algorithm needs; null = ['default']. "
-                                     "The reference policy is always the base with the adapter disabled.",
+                                     "[default, old] adds DiffusionNFT's old (EMA) adapter on the same base; "
+                                     "'reference' (the base, adapter disabled) is always available.",
                                      no_effect=NoEffect(
                                          f"named LoRA policy states (e.g. 'old' for DiffusionNFT) are used by "
                                          f"{DIRECT_PREFERENCE_TRAINER}; the reference policy is always the base "
                                          "model with the adapter disabled",
-                                         accept=(["default"],)))
+                                         accept=(["default"], ["default", "reference"]),
+                                         when=lambda m, root: (None if root.algorithm.trainer_type == "direct_preference"
+                                                               else "with `algorithm.trainer_type` = policy_gradient"),
+                                         when_doc="with `algorithm.trainer_type` = policy_gradient"))
     lora_dtype: Any = opt(None, "Cast LoRA params to this dtype; null = keep.",
                           choices=(None, "fp32", "float32", "bf16", "bfloat16", "fp16", "float16"))
     fsdp_layer_prefixes: Any = opt(None, "FSDP wrap prefixes (VeRL-Omni); this project does not shard with FSDP.",
@@ -68,6 +69,16 @@ class DiffusionModelConfig:
                      choices=("fp32", "bf16", "fp16"))
 
     def validate(self, path: str) -> None:
+        states = self.policy_state_adapters
+        if states is not None:
+            known = ("default", "old", "reference")
+            if isinstance(states, str) or not all(isinstance(x, str) for x in states) or \
+                    any(x not in known for x in states) or "default" not in states or len(set(states)) != len(states):
+                raise ValueError(f"`{path}.policy_state_adapters` = {states!r}: expected a list of distinct names "
+                                 f"from {list(known)} that holds 'default', e.g. [default, old].")
+            if "old" in states and self.lora_rank == 0 and self.lora_adapter_path is None:
+                raise ValueError(f"`{path}.policy_state_adapters` holds 'old', a second LoRA adapter, but "
+                                 f"`{path}.lora_rank` = 0 trains all weights; set lora_rank > 0.")
         init = self.lora_init_weights
         allowed = (True, False, "gaussian", "orthogonal", "pissa", "olora")
         if not (init in allowed or (isinstance(init, str) and init.startswith("pissa_niter_"))):

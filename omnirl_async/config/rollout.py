@@ -86,8 +86,9 @@ class DiffusionRolloutConfig:
     calculate_log_probs: bool = opt(True, "Record behaviour log-probs (policy gradient needs them).",
                                     not_built={False: "policy-gradient training needs behaviour log-probs; "
                                                "keep calculate_log_probs=true"})
-    rollout_adapter: str = opt("default", "Adapter used for generation.", choices=("default", "old"),
-                               not_built={"old": "the 'old' generation adapter (DiffusionNFT) is not built yet"})
+    rollout_adapter: str = opt("default", "Adapter rollouts generate with: default (the trained policy) or old "
+                               "(DiffusionNFT's EMA policy; needs policy_state_adapters=[default,old]).",
+                               choices=("default", "old"))
     num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per rollout worker.", gt=0)
     num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per rollout worker.", ge=0)
     nice: int = opt(0, "CPU niceness added to every rollout worker process (0-19). When workers and learners "

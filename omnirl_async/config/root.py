@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from omnirl_async.config.actor import DiffusionActorConfig
-from omnirl_async.config.algorithm import DiffusionAlgoConfig
+from omnirl_async.config.algorithm import PREFERENCE_LOSSES, DiffusionAlgoConfig
 from omnirl_async.config.buffer import BufferConfig, TransferQueueConfig
 from omnirl_async.config.data import DataConfig, RewardConfig
 from omnirl_async.config.model import DiffusionModelConfig
@@ -46,7 +46,9 @@ class DiffusionTrainerConfig:
         if self.data.train_batch_size % aro.actor.ppo_mini_batch_size:
             raise ValueError(f"`data.train_batch_size` = {self.data.train_batch_size} must be a multiple of "
                              f"`actor_rollout_ref.actor.ppo_mini_batch_size` = {aro.actor.ppo_mini_batch_size}.")
-        if self.algorithm.adv_estimator in ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard") and n < 2:
+        self._check_trainer_type()
+        if self.algorithm.adv_estimator in ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard",
+                                            "diffusion_nft", "dpo", "awm") and n < 2:
             raise ValueError(f"`actor_rollout_ref.rollout.n` = {n}: group advantages need at least 2 samples "
                              "per prompt.")
         nsteps = aro.rollout.pipeline.num_inference_steps
@@ -67,3 +69,46 @@ class DiffusionTrainerConfig:
             warnings.warn("sde_type=cps uses unscaled log-probs (-mean((x'-mu)^2)); clip_ratio "
                           f"{aro.actor.diffusion_loss.clip_ratio} will hardly ever clip. References use ~1e-5.",
                           stacklevel=2)
+
+    def _check_trainer_type(self) -> None:
+        """The loss, the trainer type, the adapters and the pairing must agree (refused here, with the fix)."""
+        from omnirl_async.algos.losses import get_diffusion_loss_fn
+
+        aro, algo = self.actor_rollout_ref, self.algorithm
+        loss = aro.actor.diffusion_loss.loss_mode
+        kind = getattr(get_diffusion_loss_fn(loss), "trainer_type", "policy_gradient")
+        lp = "`actor_rollout_ref.actor.diffusion_loss.loss_mode`"
+        if kind != algo.trainer_type:
+            fix = ("set `algorithm.trainer_type=direct_preference`" if kind == "direct_preference" else
+                   f"use a direct-preference loss ({', '.join(PREFERENCE_LOSSES)})")
+            raise ValueError(f"{lp} = {loss!r} is a {kind.replace('_', '-')} loss but `algorithm.trainer_type` = "
+                             f"{algo.trainer_type}; {fix} (or pick both with `actor_rollout_ref.model.algorithm`).")
+        states = aro.model.policy_state_adapters or ["default"]
+        mp = "`actor_rollout_ref.model.policy_state_adapters`"
+        if aro.rollout.rollout_adapter == "old" and "old" not in states:
+            raise ValueError(f"`actor_rollout_ref.rollout.rollout_adapter` = old, but {mp} = {list(states)} has no "
+                             "'old' adapter to generate with; set it to [default,old] (DiffusionNFT) or use "
+                             "rollout_adapter=default.")
+        if loss == "diffusion_nft" and "old" not in states:
+            raise ValueError(f"{lp} = diffusion_nft mixes the trained velocity with the old policy's, but {mp} = "
+                             f"{list(states)} has no 'old' adapter; set {mp}=[default,old] (and usually "
+                             "`actor_rollout_ref.rollout.rollout_adapter=old`).")
+        if loss == "awm" and aro.actor.diffusion_loss.old_kl_coef > 0 and "old" not in states:
+            raise ValueError("`actor_rollout_ref.actor.diffusion_loss.old_kl_coef` = "
+                             f"{aro.actor.diffusion_loss.old_kl_coef} regularises AWM towards the EMA policy, the "
+                             f"'old' adapter, but {mp} = {list(states)} has none; set {mp}=[default,old] or "
+                             "old_kl_coef=0.")
+        pairwise = loss == "dpo"
+        if bool(algo.paired_preference) != pairwise:
+            raise ValueError(f"`algorithm.paired_preference` = {str(algo.paired_preference).lower()} with {lp} = "
+                             f"{loss!r}: " + ("Diffusion-DPO trains on (winner, loser) pairs; set "
+                                              "`algorithm.paired_preference=true`." if pairwise else
+                                              "only the pair-based loss (dpo) reads pairs; set it to false."))
+        if algo.trainer_type == "direct_preference":
+            rc = algo.rollout_correction
+            on = [k for k, v in (("rollout_is", rc.rollout_is), ("rollout_rs", rc.rollout_rs),
+                                 ("bypass_mode", rc.bypass_mode)) if v not in (None, False)]
+            if on:
+                raise ValueError(f"`algorithm.rollout_correction.{on[0]}` is set, but direct-preference losses have "
+                                 "no per-step behaviour log-probs to correct (their samples carry only x0 and the "
+                                 "reward); leave algorithm.rollout_correction at its defaults.")

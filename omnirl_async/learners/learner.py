@@ -158,23 +158,55 @@ class Learner:
                                     sde_type=acfg.sde_type, prev_sample=mb["next_latents"][:, j].to(self.device))
         return out
 
+    # the unit a permutation shuffles: one sample here; a (winner, loser) pair for the pairwise losses
+    rows_per_unit = 1
+
+    def mini_batch_units(self) -> int:
+        """Units per mini-batch: ``ppo_mini_batch_size`` groups of ``rollout.n`` samples."""
+        return self.actor_cfg.ppo_mini_batch_size * self.rollout_cfg.n
+
+    def unit_rows(self, units: torch.Tensor) -> torch.Tensor:
+        """Batch rows of these units (unit ``u`` = rows ``u*k .. u*k+k-1``, k = ``rows_per_unit``)."""
+        k = self.rows_per_unit
+        if k == 1:
+            return units
+        return (units[:, None] * k + torch.arange(k)).reshape(-1)
+
     def _micro_batches(self, perm: torch.Tensor) -> list[list[torch.Tensor]]:
-        """Split an epoch permutation into mini-batches (this rank's slice) and micro-batches."""
-        n = self.rollout_cfg.n
-        mini = self.actor_cfg.ppo_mini_batch_size * n
+        """Split an epoch permutation of units into mini-batches (this rank's slice) and micro-batches of rows.
+
+        A unit is never split: not across mini-batches, ranks or micro-batches (pairs stay whole)."""
+        mini = self.mini_batch_units()
         micro = self.actor_cfg.ppo_micro_batch_size_per_gpu
+        micro_units = max(1, micro // self.rows_per_unit) if micro else None
         out = []
         for start in range(0, len(perm), mini):
-            rows = perm[start:start + mini]
-            per_rank = len(rows) // self.world_size
+            units = perm[start:start + mini]
+            per_rank = len(units) // self.world_size
             if per_rank == 0:
-                continue  # fewer rows than ranks (a batch shrunk by failed samples): every rank skips it alike
-            rows = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
-            size = micro or len(rows)
-            out.append([rows[i:i + size] for i in range(0, len(rows), size)])
+                continue  # fewer units than ranks (a batch shrunk by failed samples): every rank skips it alike
+            units = units[self.rank * per_rank:(self.rank + 1) * per_rank]
+            size = micro_units or len(units)
+            out.append([self.unit_rows(units[i:i + size]) for i in range(0, len(units), size)])
         return out
 
     # ---------------------------------------------------------------- 2. proximal
+    def num_units(self, b: dict[str, Any]) -> int:
+        """How many units (samples, or pairs) the batch holds."""
+        return int(b["rewards"].shape[0]) // self.rows_per_unit
+
+    def num_steps(self, b: dict[str, Any]) -> int:
+        """Trained steps (timesteps) each sample carries."""
+        return int(b["log_probs"].shape[1])
+
+    def steps_per_minibatch(self, num_steps: int) -> int:
+        """How many of a sample's steps one mini-batch trains (``algorithm.timestep_fraction``)."""
+        return max(1, int(math.ceil(num_steps * self.algo_cfg.timestep_fraction)))
+
+    def compute_proximal(self, b: dict[str, Any], minibatches) -> None:
+        """Step 2: what the loss compares the current policy with, computed before any weight moves."""
+        self.compute_proximal_log_probs(b, minibatches)
+
     @torch.no_grad()
     def compute_proximal_log_probs(self, b: dict[str, Any], minibatches) -> None:
         """Fill ``b['old_log_probs']`` [B, T] (and ``old_means``) using the exact micro-batches of epoch 0."""
@@ -309,6 +341,10 @@ class Learner:
         self.optimizer.zero_grad(set_to_none=True)
         return {"actor/lr": self.optimizer.param_groups[0]["lr"]}
 
+    def after_optimizer_step(self) -> dict[str, float]:
+        """Hook after an applied (finite) optimizer step; returns metrics (e.g. an EMA policy's refresh)."""
+        return {}
+
     def optimizer_step(self, loss_fault: str | None, where: str) -> dict[str, float] | None:
         """Steps 4-5 for one mini-batch; None when the step was skipped as non-finite."""
         self.average_gradients()
@@ -326,12 +362,12 @@ class Learner:
         """Train on one batch (whole groups, identical on every rank). Returns averaged metrics."""
         t0 = time.perf_counter()
         b = self.prepare_batch(fields, group_ids)
-        num = len(group_ids)
-        num_steps = b["log_probs"].shape[1]
-        n_train = max(1, int(math.ceil(num_steps * self.algo_cfg.timestep_fraction)))
+        num = self.num_units(b)
+        num_steps = self.num_steps(b)
+        n_train = self.steps_per_minibatch(num_steps)
         perms = [torch.randperm(num, generator=self.rng) if self.actor_cfg.shuffle else torch.arange(num)
                  for _ in range(self.actor_cfg.ppo_epochs)]
-        self.compute_proximal_log_probs(b, self._micro_batches(perms[0]))
+        self.compute_proximal(b, self._micro_batches(perms[0]))
         t_old = time.perf_counter() - t0
         totals: dict[str, float] = {}
         count = updates = skipped = 0
@@ -349,6 +385,7 @@ class Learner:
                 if grads is None:
                     skipped += 1
                     continue
+                grads.update(self.after_optimizer_step())
                 weight = len(steps) * len(micro_list)
                 for k, v in [*step_sums.items(), *((k, v * weight) for k, v in grads.items())]:
                     totals[k] = totals.get(k, 0.0) + v
@@ -357,12 +394,17 @@ class Learner:
         self.global_step += 1
         metrics = {k: v / max(count, 1) for k, v in totals.items()}
         metrics.update(b["_metrics"])
+        metrics.update(self.update_metrics())
         metrics["actor/num_updates"] = float(updates)
         metrics["training/nonfinite_steps"] = float(self.nonfinite_steps)
         metrics["training/skipped_nonfinite"] = skipped / max(updates + skipped, 1)
         metrics["timing_s/old_log_prob"] = t_old
         metrics["timing_s/update_actor"] = time.perf_counter() - t0 - t_old
         return metrics
+
+    def update_metrics(self) -> dict[str, float]:
+        """Metrics of the learner's state after an update (hook)."""
+        return {}
 
     def _mini_batch_losses(self, b, micro_list, steps, scale) -> tuple[dict[str, float], str | None]:
         """Forward/backward of one mini-batch's micro-batches: summed metrics and the first non-finite loss."""
@@ -380,12 +422,19 @@ class Learner:
     # ---------------------------------------------------------------- weights & state
     def get_weights(self) -> dict[str, torch.Tensor]:
         """What rollout workers need: the LoRA state (or the full transformer when lora_rank=0)."""
+        return self._trained_weights()
+
+    def adapter_versions(self) -> dict[str, int]:
+        """The learner update each published policy state holds (one here: the trained weights)."""
+        return {"default": self.global_step}
+
+    def _trained_weights(self) -> dict[str, torch.Tensor]:
         if self.config.actor_rollout_ref.model.lora_rank > 0:
             return self.policy.lora_state_dict()
         return self.policy.full_state_dict()
 
     def get_state(self) -> dict[str, Any]:
-        return {"weights": self.get_weights(), "optimizer": self.optimizer.state_dict(),
+        return {"weights": self._trained_weights(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
                 "rng": self.rng.get_state(), "torch_rng": torch.get_rng_state(),
                 "nonfinite": {"total": self.nonfinite_steps, "consecutive": self.consecutive_nonfinite}}

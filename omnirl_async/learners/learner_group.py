@@ -147,6 +147,15 @@ def wait_for_learners(refs: dict[int, Any], call: str, timeout_s: float) -> dict
     return results
 
 
+def learner_class(config) -> type[Learner]:
+    """The learner of ``algorithm.trainer_type``: policy gradient, or direct preference."""
+    if config.algorithm.trainer_type == "direct_preference":
+        from omnirl_async.learners.preference_learner import PreferenceLearner
+
+        return PreferenceLearner
+    return Learner
+
+
 class LearnerWorker:
     """The body of one learner actor."""
 
@@ -168,7 +177,7 @@ class LearnerWorker:
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
             dist.init_process_group(backend=backend, init_method=f"tcp://{master[0]}:{master[1]}",
                                     rank=self.rank, world_size=self.world_size)
-        self.learner = Learner(self.config, rank=self.rank, world_size=self.world_size)
+        self.learner = learner_class(self.config)(self.config, rank=self.rank, world_size=self.world_size)
         return True
 
     def update(self, fields, group_ids):
@@ -194,7 +203,11 @@ class LearnerWorker:
         from omnirl_async.learners.weight_store import publish_weights
 
         return publish_weights(store, version, self.get_weights(),
-                               is_lora=self.config.actor_rollout_ref.model.lora_rank > 0)
+                               is_lora=self.config.actor_rollout_ref.model.lora_rank > 0,
+                               adapter_versions=self.adapter_versions())
+
+    def adapter_versions(self) -> dict[str, int]:
+        return self.learner.adapter_versions()
 
     def assert_healthy(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "step": self.learner.global_step if self.learner else -1}
@@ -278,6 +291,10 @@ class LearnerGroup:
 
     def get_state(self) -> dict[str, Any]:
         return self._rank0("get_state")
+
+    def adapter_versions(self) -> dict[str, int]:
+        """The learner update each published policy state holds (``default``; ``old`` with DiffusionNFT)."""
+        return self._rank0("adapter_versions")
 
     def set_state(self, state) -> None:
         self._all("set_state", state)

@@ -64,12 +64,13 @@ class WeightStore:
         return self._latest
 
 
-def publish_weights(store, version: int, weights: dict[str, np.ndarray], *, is_lora: bool) -> WeightsInfo:
+def publish_weights(store, version: int, weights: dict[str, np.ndarray], *, is_lora: bool,
+                    adapter_versions: dict[str, int] | None = None) -> WeightsInfo:
     """Hand ``weights`` to ``store`` (which owns the object-store copy) and announce ``version``."""
     import ray
 
     info = WeightsInfo(version=version, num_bytes=int(sum(v.nbytes for v in weights.values())), is_lora=is_lora,
-                       published_at=time.time())
+                       published_at=time.time(), adapter_versions=dict(adapter_versions or {}))
     ray.get(store.publish.remote(info, weights))
     return info
 

@@ -219,27 +219,30 @@ def read_adapter(adapter_path: str | os.PathLike):
 
 
 # --------------------------------------------------------------------------- state dicts
-def _lora_params(model: nn.Module) -> dict[str, nn.Parameter]:
-    """peft-format key -> live parameter, matched by storage so names can't drift."""
+def _lora_params(model: nn.Module, adapter: str = ADAPTER_NAME) -> dict[str, nn.Parameter]:
+    """peft-format key -> live parameter of adapter ``adapter``, matched by storage so names can't drift."""
     from peft import get_peft_model_state_dict
 
     if not getattr(model, "peft_config", None):
         raise ValueError(f"{type(model).__name__} has no LoRA adapter: call `add_lora(...)` first.")
+    if adapter not in model.peft_config:
+        raise ValueError(f"{type(model).__name__} has no LoRA adapter named {adapter!r} "
+                         f"(adapters: {sorted(model.peft_config)}).")
     by_ptr = {p.data_ptr(): p for p in model.parameters()}
     out = {}
-    for key, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER_NAME).items():
+    for key, tensor in get_peft_model_state_dict(model, adapter_name=adapter).items():
         out[key] = by_ptr[tensor.data_ptr()]
     return out
 
 
-def lora_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+def lora_state_dict(model: nn.Module, adapter: str = ADAPTER_NAME) -> dict[str, torch.Tensor]:
     """A detached CPU copy of the adapter weights (never aliases live parameters)."""
-    return {k: p.detach().to("cpu", copy=True) for k, p in _lora_params(model).items()}
+    return {k: p.detach().to("cpu", copy=True) for k, p in _lora_params(model, adapter).items()}
 
 
-def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], adapter: str = ADAPTER_NAME) -> None:
     """Copy adapter weights in place. Strict: key sets and shapes must match."""
-    params = _lora_params(model)
+    params = _lora_params(model, adapter)
     state_dict = {k.removeprefix(PEFT_FILE_PREFIX): v for k, v in state_dict.items()}
     _strict_copy(params, state_dict, what="LoRA state dict", fix="save it with `lora_state_dict()`/`save_lora`")
 

@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from omnirl_async.models import adapters as _adapters
 from omnirl_async.models import lora as _lora
 
 logger = logging.getLogger(__name__)
@@ -531,15 +532,32 @@ class FlowMatchPolicy:
             fix = "call `add_lora(rank>0, ...)` first" if mode == "lora" else "use `add_lora(rank=0, ...)`"
             raise ValueError(f"`{what}` needs weight mode {mode!r} but the policy is {self.mode!r}: {fix}.")
 
-    def lora_state_dict(self) -> dict[str, torch.Tensor]:
+    def lora_state_dict(self, adapter: str = _lora.ADAPTER_NAME) -> dict[str, torch.Tensor]:
         """CPU copy of the adapter weights, peft keys without the adapter name."""
         self._require("lora", "lora_state_dict")
-        return _lora.lora_state_dict(self.transformer)
+        return _lora.lora_state_dict(self.transformer, adapter)
 
-    def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+    def load_lora_state_dict(self, state_dict: dict[str, torch.Tensor], adapter: str = _lora.ADAPTER_NAME) -> None:
         """In-place, strict load of adapter weights (see ``lora_state_dict``)."""
         self._require("lora", "load_lora_state_dict")
-        _lora.load_lora_state_dict(self.transformer, state_dict)
+        _lora.load_lora_state_dict(self.transformer, state_dict, adapter)
+
+    def add_policy_state(self, name: str) -> None:
+        """A second, frozen LoRA adapter ``name`` (e.g. DiffusionNFT's ``old``), starting as a copy of the default."""
+        self._require("lora", f"add_policy_state({name!r})")
+        _adapters.add_named_adapter(self.transformer, name)
+
+    def use_adapter(self, name: str):
+        """Context manager: compute with adapter ``name`` inside the block (``default``: no change)."""
+        return _adapters.use_adapter(self.transformer, name)
+
+    def ema_policy_state(self, name: str, decay: float) -> None:
+        """``name`` <- decay * ``name`` + (1 - decay) * default, in place."""
+        _adapters.ema_update(self.transformer, name, decay)
+
+    @property
+    def adapter_names(self) -> list[str]:
+        return _adapters.adapter_names(self.transformer)
 
     def save_lora(self, directory: str | os.PathLike) -> Path:
         """Write the adapter into ``directory`` in two formats; return the folder.

@@ -42,8 +42,15 @@ class RolloutBatch:
     sigmas: torch.Tensor  # [B, T]
     sigmas_next: torch.Tensor  # [B, T]
     step_indices: np.ndarray  # int64 [T]
+    x0: torch.Tensor | None = None  # [B, *latent]: the final (clean) latents, model layout
 
-    def to_fields(self) -> dict[str, np.ndarray]:
+    def to_fields(self, *, trajectory: bool = True) -> dict[str, np.ndarray]:
+        """What a sample carries: the trained steps (policy gradient), or only the clean latents
+        ``x0`` (direct preference: its losses re-noise ``x0`` themselves). Images always (the reward reads them)."""
+        if not trajectory:
+            if self.x0 is None:
+                raise ValueError("this RolloutBatch has no `x0`: generate with `sample_with_logprob(...)`.")
+            return {"images": self.images, "x0": self.x0.numpy()}
         return {
             "images": self.images,
             "latents": self.latents.numpy(),
@@ -79,12 +86,14 @@ def sample_with_logprob(policy, embeds, *, seeds: list[int | None], height: int,
                         num_inference_steps: int, noise_level: float, sde_type: str = "sde",
                         window: tuple[int, int] | None = None, true_cfg_scale: float = 1.0,
                         guidance_scale: float | None = None, shared_noise_groups: list[int] | None = None,
-                        ) -> RolloutBatch:
+                        keep_trajectory: bool = True) -> RolloutBatch:
     """Generate ``len(seeds)`` trajectories conditioned on ``embeds`` (one row per sample).
 
     ``window=(start, end)`` limits SDE steps (and stored steps) to ``start <= i < end``.
     ``shared_noise_groups`` gives each sample a group id; samples of a group then start
     from the same initial noise (DanceGRPO), drawn from the first member's seed.
+    ``keep_trajectory=False`` stores no step (the returned step tensors have T = 0);
+    ``x0`` (the final latents) is always returned.
     """
     batch = len(seeds)
     device = policy.device
@@ -113,6 +122,9 @@ def sample_with_logprob(policy, embeds, *, seeds: list[int | None], height: int,
             noise = _per_sample_randn(latent_shape, gens, device) if gens[0] is not None else None
             out = sde_step_with_logprob(v, s_b, s_next.expand(batch), x.float(), noise_level=noise_level,
                                         sde_type=sde_type, noise=noise)
+            if not keep_trajectory:
+                x = out.prev_sample.to(x.dtype)
+                continue
             stored["x"].append(x.float().cpu())
             stored["x_next"].append(out.prev_sample.cpu())
             stored["logp"].append(out.log_prob.cpu())
@@ -125,6 +137,12 @@ def sample_with_logprob(policy, embeds, *, seeds: list[int | None], height: int,
 
     # 4. decode
     images = policy.decode(x, height, width)
+    if not keep_trajectory:
+        empty = torch.zeros(batch, 0, *latent_shape)
+        flat = torch.zeros(batch, 0)
+        return RolloutBatch(images=images, latents=empty, next_latents=empty, log_probs=flat, means=empty,
+                            sigmas=flat, sigmas_next=flat, step_indices=np.zeros(0, dtype=np.int64),
+                            x0=x.float().cpu())
     return RolloutBatch(
         images=images,
         latents=torch.stack(stored["x"], 1),
@@ -134,4 +152,5 @@ def sample_with_logprob(policy, embeds, *, seeds: list[int | None], height: int,
         sigmas=torch.stack(stored["s"], 1),
         sigmas_next=torch.stack(stored["s_next"], 1),
         step_indices=np.arange(start, end, dtype=np.int64),
+        x0=x.float().cpu(),
     )

@@ -46,7 +46,7 @@ def test_overrides_follow_verl_key_paths():
     ("reward.reward_fn_name=nope", "reward.reward_fn_name", "jpeg_compressibility"),
     ("data.train_batch_size=abc", "data.train_batch_size", ""),
     ("buffer.sampler=lifo", "buffer.sampler", "fifo"),
-    ("trainer.logger=[console,wandb]", "trainer.logger", "wandb"),
+    ("trainer.logger=[console,mlflow]", "trainer.logger", "mlflow"),
 ])
 def test_bad_values_name_the_key_path(override, key, needle):
     with pytest.raises(ConfigError) as err:
@@ -77,8 +77,6 @@ def test_unknown_key_in_a_recipe_yaml_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("override, needle", [
     ("trainer.v1.trainer_mode=omni_sync", "not built"),
-    ("algorithm.trainer_type=direct_preference", "not built"),
-    ("actor_rollout_ref.model.algorithm=diffusion_nft", "not built"),
     ("actor_rollout_ref.rollout.name=vllm_omni", "vLLM"),
     ("actor_rollout_ref.actor.strategy=fsdp", "FSDP"),
     ("actor_rollout_ref.actor.use_distill_loss=true", "not built"),
@@ -89,6 +87,34 @@ def test_features_not_built_yet_are_refused_loudly(override, needle):
         load_config([override])
     assert override.split("=")[0] in str(err.value)
     assert needle in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    # a preference loss with the policy-gradient trainer, and the reverse
+    (["actor_rollout_ref.model.algorithm=diffusion_nft"], ["loss_mode", "algorithm.trainer_type=direct_preference"]),
+    (["algorithm.trainer_type=direct_preference"], ["'flow_grpo' is a policy-gradient loss", "diffusion_nft, dpo"]),
+    # rollouts with an adapter that does not exist
+    (["actor_rollout_ref.rollout.rollout_adapter=old"], ["rollout_adapter", "[default,old]"]),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.trainer_type=direct_preference"],
+     ["policy_state_adapters", "[default,old]"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "algorithm.trainer_type=direct_preference"],
+     ["algorithm.paired_preference=true"]),
+    (["algorithm.paired_preference=true"], ["only the pair-based loss (dpo)"]),
+    (["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",
+      "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=0.1"], ["old_kl_coef", "[default,old]"]),
+    (["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",
+      "algorithm.rollout_correction.rollout_is=token"], ["rollout_correction.rollout_is", "no per-step"]),
+    (["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",
+      "actor_rollout_ref.model.policy_state_adapters=[default,new]"], ["policy_state_adapters", "distinct names"]),
+    (["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",
+      "actor_rollout_ref.model.policy_state_adapters=[default,old]", "actor_rollout_ref.model.lora_rank=0"],
+     ["lora_rank", "second LoRA adapter"]),
+])
+def test_direct_preference_mismatches_are_refused_with_the_fix(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    for needle in needles:
+        assert needle in str(err.value), f"{needle!r} not in: {err.value}"
 
 
 def test_cross_field_rules():

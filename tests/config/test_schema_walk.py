@@ -498,8 +498,6 @@ def test_allowed_keys_are_not_read_or_refused_anyway():
 
 
 # ---------------------------------------------------------------------------- each refusal, with its message
-DP = ("it is used by `algorithm.trainer_type` = direct_preference (DiffusionNFT / DPO / AWM), which is not built "
-      "yet")
 VAL_WINDOW = ("validation denoises every step alike with `val_kwargs.algo.noise_level` (0 = the ODE) and never uses "
               "an SDE window, so nothing reads it")
 SYNC = "is refused under `trainer.v1.trainer_mode` = sync: "
@@ -510,28 +508,40 @@ WAIT = ("is refused under `trainer.v1.trainer_mode` = separate_async with `train
 REFUSALS = [
     # (mode, overrides, expected message)
     ("sync", ["algorithm.old_policy_decay_schedule=linear_to_0_5"],
-     f"`algorithm.old_policy_decay_schedule` = 'linear_to_0_5' is refused: {DP}; leave it at its default ('copy')."),
+     "`algorithm.old_policy_decay_schedule` = 'linear_to_0_5' is refused with `algorithm.trainer_type` = "
+     "policy_gradient: only the 'old' LoRA adapter (DiffusionNFT / AWM, direct_preference trainer) is refreshed on "
+     "this schedule; leave it at its default ('copy'), or add the old adapter: "
+     "`actor_rollout_ref.model.policy_state_adapters=[default,old]`."),
     ("sync", ["algorithm.old_policy_decay=0.5"],
-     f"`algorithm.old_policy_decay` = 0.5 is refused: {DP}; leave it at its default (null)."),
-    ("separate_async", ["algorithm.old_policy_update_interval=2"],
-     f"`algorithm.old_policy_update_interval` = 2 is refused: {DP}; leave it at its default (1)."),
+     "`algorithm.old_policy_decay` = 0.5 is refused with `algorithm.trainer_type` = policy_gradient: only the 'old'"),
+    ("separate_async", ["algorithm.old_policy_update_interval=2", "algorithm.trainer_type=direct_preference",
+                        "actor_rollout_ref.model.algorithm=awm"],
+     "`algorithm.old_policy_update_interval` = 2 is refused while `actor_rollout_ref.model.policy_state_adapters` "
+     "has no 'old' adapter: only the 'old' LoRA adapter"),
     ("sync", ["actor_rollout_ref.actor.diffusion_loss.mix_beta=0.3"],
-     f"`actor_rollout_ref.actor.diffusion_loss.mix_beta` = 0.3 is refused: {DP}; leave it at its default (0.5)."),
+     "`actor_rollout_ref.actor.diffusion_loss.mix_beta` = 0.3 is refused with "
+     "`actor_rollout_ref.actor.diffusion_loss.loss_mode` = 'flow_grpo': only diffusion_nft reads the mixing beta; "
+     "leave it at its default (0.5), or use loss_mode diffusion_nft."),
     ("sync", ["actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.1"],
-     f"`actor_rollout_ref.actor.diffusion_loss.ref_kl_coef` = 0.1 is refused: {DP}; leave it at its default (0.0)."),
+     "`actor_rollout_ref.actor.diffusion_loss.ref_kl_coef` = 0.1 is refused with "
+     "`actor_rollout_ref.actor.diffusion_loss.loss_mode` = 'flow_grpo': only diffusion_nft / awm read the reference "
+     "MSE coefficient"),
     ("sync", ["actor_rollout_ref.actor.diffusion_loss.adaptive_weight_min=0.001"],
-     f"`actor_rollout_ref.actor.diffusion_loss.adaptive_weight_min` = 0.001 is refused: {DP}; leave it at its "
-     "default (1e-05)."),
-    ("separate_async", ["actor_rollout_ref.actor.diffusion_loss.dpo_beta=500"],
-     f"`actor_rollout_ref.actor.diffusion_loss.dpo_beta` = 500.0 is refused: {DP}; leave it at its default "
-     "(2000.0)."),
+     "`actor_rollout_ref.actor.diffusion_loss.adaptive_weight_min` = 0.001 is refused with "
+     "`actor_rollout_ref.actor.diffusion_loss.loss_mode` = 'flow_grpo': only diffusion_nft reads"),
+    ("separate_async", ["actor_rollout_ref.actor.diffusion_loss.dpo_beta=500", "algorithm.trainer_type=direct_preference",
+                        "actor_rollout_ref.model.algorithm=awm"],
+     "`actor_rollout_ref.actor.diffusion_loss.dpo_beta` = 500.0 is refused with "
+     "`actor_rollout_ref.actor.diffusion_loss.loss_mode` = 'awm': only dpo reads the DPO inverse temperature"),
+    ("sync", ["actor_rollout_ref.actor.diffusion_loss.clip_ratio=0.01", "algorithm.trainer_type=direct_preference",
+              "actor_rollout_ref.model.algorithm=awm"],
+     "`actor_rollout_ref.actor.diffusion_loss.clip_ratio` = 0.01 is refused with the direct-preference `loss_mode` = "
+     "'awm': direct-preference losses have no per-step policy ratio to clip or mask"),
     ("sync", ["actor_rollout_ref.model.policy_state_adapters=[default,old]"],
-     "`actor_rollout_ref.model.policy_state_adapters` = ['default', 'old'] is refused: named LoRA policy states "
-     "(e.g. 'old' for DiffusionNFT) are used by `algorithm.trainer_type` = direct_preference (DiffusionNFT / DPO / "
-     "AWM), which is not built yet; the reference policy is always the base model with the adapter disabled; leave "
-     "it at its default (null) or use ['default']."),
-    ("sync", ["actor_rollout_ref.model.policy_state_adapters=[default,reference]"],
-     "`actor_rollout_ref.model.policy_state_adapters` = ['default', 'reference'] is refused: named LoRA policy states"),
+     "`actor_rollout_ref.model.policy_state_adapters` = ['default', 'old'] is refused with `algorithm.trainer_type` "
+     "= policy_gradient: named LoRA policy states (e.g. 'old' for DiffusionNFT) are used by `algorithm.trainer_type` "
+     "= direct_preference (DiffusionNFT / DPO / AWM); the reference policy is always the base model with the adapter "
+     "disabled; leave it at its default (null)"),
     ("sync", ["actor_rollout_ref.actor.distill_loss_mode=distill_fm_mse"],
      "`actor_rollout_ref.actor.distill_loss_mode` = 'distill_fm_mse' is refused: distillation is not built yet "
      "(`actor_rollout_ref.actor.use_distill_loss` = true is refused), so nothing reads it; leave it at its default "
@@ -626,6 +636,19 @@ ACCEPTED = [
     # values that mean what happens anyway
     ("sync", ["trainer.v1.sampler.max_off_policy_threshold=0"]),
     ("sync", ["actor_rollout_ref.model.policy_state_adapters=[default]"]),
+    ("sync", ["actor_rollout_ref.model.policy_state_adapters=[default,reference]"]),
+    # the direct-preference keys where they take effect
+    ("sync", ["actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.trainer_type=direct_preference",
+              "actor_rollout_ref.model.policy_state_adapters=[default,old]",
+              "actor_rollout_ref.rollout.rollout_adapter=old", "actor_rollout_ref.actor.diffusion_loss.mix_beta=0.3",
+              "actor_rollout_ref.actor.diffusion_loss.adaptive_weight_min=0.001",
+              "actor_rollout_ref.actor.diffusion_loss.ref_kl_coef=0.1",
+              "algorithm.old_policy_decay_schedule=delayed_linear_to_0_999", "algorithm.old_policy_update_interval=2"]),
+    ("separate_async", ["actor_rollout_ref.model.algorithm=dpo", "algorithm.trainer_type=direct_preference",
+                        "algorithm.paired_preference=true", "actor_rollout_ref.actor.diffusion_loss.dpo_beta=500"]),
+    ("separate_async", ["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",
+                        "actor_rollout_ref.model.policy_state_adapters=[default,old]", "algorithm.old_policy_decay=0.9",
+                        "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=0.01"]),
     ("sync", ["reward.reward_manager=naive"]),
     ("sync", ["reward.reward_manager={source: register, name: naive}"]),
     ("sync", ["actor_rollout_ref.model.target_parameters=[]"]),
