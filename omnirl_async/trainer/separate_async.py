@@ -321,7 +321,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             return super().validate()
 
     def progress_label(self) -> str:
-        return f"async FlowGRPO (lag<={self.threshold})"
+        return f"async {self.config.actor_rollout_ref.actor.diffusion_loss.loss_mode} (lag<={self.threshold})"
 
     def summary(self) -> dict:
         stale = np.concatenate(self.all_staleness) if self.all_staleness else np.zeros(0)

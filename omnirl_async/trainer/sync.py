@@ -141,4 +141,4 @@ class SyncTrainer(BaseTrainer):
         self.t_start = time.perf_counter()
 
     def progress_label(self) -> str:
-        return "sync FlowGRPO"
+        return f"sync {self.config.actor_rollout_ref.actor.diffusion_loss.loss_mode}"
