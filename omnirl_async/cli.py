@@ -3,6 +3,9 @@
     omnirl-async train [--config-name NAME] [--config-dir DIR] key=value ...
     omnirl-async eval [--lora DIR] [--out DIR] [key=value ...]
                                                  score the held-out prompts, save an image grid
+    omnirl-async eval --run RUN_DIR [key=value ...]
+                                                 the same for a run's newest verified checkpoint, with the
+                                                 config the run saved (RUN_DIR/resolved_config.yaml)
     omnirl-async config [key=value ...]          print the resolved, validated config
     omnirl-async build-tiny {sd3,flux} DIR       write a tiny random-weight pipeline folder
     omnirl-async export CKPT --out DIR [--base MODEL] [--check]
@@ -49,8 +52,22 @@ def cmd_train(args) -> int:
     summary = TaskRunner(cfg, printer=tqdm.write).run()
     print(f"finished at step {summary['global_step']} (policy version {summary['version']})")
     print(f"TensorBoard logs: {summary['log_dir']}   (tensorboard --logdir {summary['log_dir']})")
-    print(f"checkpoints:      {summary['checkpoint_dir']}")
+    print(f"checkpoints:      {summary['checkpoint_dir']}   (resolved_config.yaml; "
+          f"omnirl-async eval --run {summary['checkpoint_dir']})")
     return 0
+
+
+def _load_run(args):
+    """``eval --run``: the run's saved config (plus overrides) and the checkpoint to score."""
+    from omnirl_async.preflight import InputError
+    from omnirl_async.trainer.run_dir import find_run, load_run_config
+
+    if args.config_dir is not None or args.config_name != "diffusion_trainer":
+        raise InputError(f"eval: `--run` {args.run!r} reads the run's own resolved_config.yaml; drop "
+                         "`--config-dir` / `--config-name` (put changes as key=value overrides after it).")
+    run_dir, ckpt = find_run(args.run, report=lambda line: print(f"omnirl-async: {line}", file=sys.stderr))
+    # eval logs nowhere: the run's loggers (wandb may not be installed here) are not needed
+    return load_run_config(run_dir, ["trainer.logger=[console]", *args.overrides]), run_dir, ckpt
 
 
 def cmd_eval(args) -> int:
@@ -65,7 +82,14 @@ def cmd_eval(args) -> int:
     from omnirl_async.models.setup import build_policy, pick_device
     from omnirl_async.rewards import RewardManager
 
-    cfg = _load(args)
+    if args.run:
+        cfg, run_dir, ckpt = _load_run(args)
+        args.lora = args.lora or str(ckpt)
+        out = Path(args.out) if args.out else run_dir / "eval" / Path(args.lora).name
+        print(f"run {run_dir}: {cfg.actor_rollout_ref.model.path}, LoRA {args.lora}")
+    else:
+        cfg = _load(args)
+        out = Path(args.out or "eval_out")
     torch.set_num_threads(args.threads)
     model_cfg = cfg.actor_rollout_ref.model
     if args.lora:
@@ -86,7 +110,6 @@ def cmd_eval(args) -> int:
     print(f"\n{who}: {len(res.prompts)} images of {len(prompts)} prompts")
     for key, value in res.metrics.items():
         print(f"  {key:<34} {value:.4f}")
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     strict_key = next((k for k in res.extra if k.endswith("strict")), None)
     marks = res.extra[strict_key][: args.grid] > 0.5 if strict_key else None
@@ -141,9 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="run a training job")
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
-    p = sub.add_parser("eval", help="score held-out prompts with the base model or a LoRA checkpoint")
+    p = sub.add_parser("eval", help="score held-out prompts with the base model, a LoRA checkpoint or a run")
+    p.add_argument("--run", default=None, metavar="RUN_DIR",
+                   help="a run's trainer.default_local_dir (or one of its global_step_N folders): use the config "
+                        "it saved (resolved_config.yaml) and its newest verified checkpoint")
     p.add_argument("--lora", default=None, help="PEFT adapter folder or checkpoint folder (global_step_N)")
-    p.add_argument("--out", default="eval_out", help="folder for grid.png and metrics.json")
+    p.add_argument("--out", default=None,
+                   help="folder for grid.png and metrics.json (default eval_out; with --run: "
+                        "RUN_DIR/eval/global_step_N)")
     p.add_argument("--num-prompts", type=int, default=None, help="cap on prompts (default data.val_max_samples)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--grid", type=int, default=32, help="images in the grid")

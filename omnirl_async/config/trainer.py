@@ -71,8 +71,9 @@ class V1Config:
 class TrainerConfig:
     project_name: str = opt("omnirl_async", "Project name (log folder).")
     experiment_name: str = opt("default", "Experiment name (log folder).")
-    logger: Any = opt(factory=lambda: ["console", "tensorboard"], help="Any of console, tensorboard.")
-    log_dir: Any = opt(None, "TensorBoard folder; null = $TENSORBOARD_DIR or "
+    logger: Any = opt(factory=lambda: ["console", "tensorboard"], help="Any of console, tensorboard, wandb.")
+    log_dir: Any = opt(None, "TensorBoard folder, and W&B's under it (<log_dir>/wandb; W&B project = project_name, "
+                       "run = experiment_name); null = $TENSORBOARD_DIR or "
                        "tensorboard_log/<project_name>/<experiment_name>.")
     device: str = opt("auto", "auto (cuda when available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
     total_epochs: int = opt(100, "Passes over the prompt set.", gt=0)
@@ -102,11 +103,14 @@ class TrainerConfig:
     v1: V1Config = field(default_factory=V1Config)
 
     def validate(self, path: str) -> None:
-        allowed = {"console", "tensorboard"}
+        from omnirl_async.metrics.loggers import LOGGERS, wandb_installed, wandb_missing_message
+
         loggers = [self.logger] if isinstance(self.logger, str) else list(self.logger or [])
-        bad = [x for x in loggers if x not in allowed]
+        bad = [x for x in loggers if x not in LOGGERS]
         if bad:
-            raise ValueError(f"`{path}.logger` = {loggers!r}: unknown logger(s) {bad}; allowed: {sorted(allowed)}.")
+            raise ValueError(f"`{path}.logger` = {loggers!r}: unknown logger(s) {bad}; allowed: {list(LOGGERS)}.")
+        if "wandb" in loggers and not wandb_installed():
+            raise ValueError(wandb_missing_message(loggers).replace("`trainer.logger`", f"`{path}.logger`"))
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ValueError(f"`{path}.resume_mode` = resume_path needs `{path}.resume_from_path`.")
 

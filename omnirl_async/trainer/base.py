@@ -35,6 +35,7 @@ from omnirl_async.protocol import WeightsInfo
 from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
+from omnirl_async.trainer.run_dir import config_dict
 from omnirl_async.trainer.trained_log import TrainedLog
 
 __all__ = ["BaseTrainer", "StepResult"]
@@ -69,7 +70,7 @@ class BaseTrainer:
         self.global_step = 0
         self.ckpt = CheckpointManager(config.trainer.default_local_dir,
                                       max_to_keep=config.trainer.max_actor_ckpt_to_keep)
-        self.tracking = Tracking(config.trainer, printer=printer)
+        self.tracking = Tracking(config.trainer, printer=printer, config=config_dict(config))
         self.weight_bytes = 0
         self._val_prompts: list[str] | None = None
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)
@@ -139,7 +140,8 @@ class BaseTrainer:
         t0 = time.perf_counter()
         weights = self.learners.get_weights()
         info = WeightsInfo(version=self.version, num_bytes=int(sum(v.nbytes for v in weights.values())),
-                           is_lora=self.config.actor_rollout_ref.model.lora_rank > 0)
+                           is_lora=self.config.actor_rollout_ref.model.lora_rank > 0,
+                           adapter_versions=self.learners.adapter_versions())
         ref = ray.put(weights)
         try:
             ray.get([w.set_weights.remote(info.version, ref) for w in self.workers], timeout=self.wait_timeout_s)
@@ -256,6 +258,7 @@ class BaseTrainer:
                 if self.should_validate(done):
                     with timer("testing"):
                         metrics.update(self.validate())
+                        self.log_rollout_samples(step.batch)
                 self.dump_rollout(step.batch)
                 timer.times["step"] = time.perf_counter() - t_step
                 # ---- 4. metrics: the same keys, with the same meaning, in every mode
@@ -354,10 +357,25 @@ class BaseTrainer:
         out = ray.get(self.workers[0].validate.remote(self._val_prompts, seed=self.config.data.seed))
         cap = self.config.trainer.validation_data_max_samples or 32
         strict = out["strict"][:cap] > 0.5 if out["strict"] is not None else None
-        save_grid(out["images"][:cap], out["prompts"][:cap],
-                  Path(self.config.trainer.default_local_dir) / "validation" / f"step_{self.global_step}.png",
-                  marks=strict, title=f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}")
+        title = f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}"
+        grid = save_grid(out["images"][:cap], out["prompts"][:cap],
+                         Path(self.config.trainer.default_local_dir) / "validation" / f"step_{self.global_step}.png",
+                         marks=strict, title=title)
+        prompts = out["prompts"][:cap]
+        marks = ["pass " if ok else "fail " for ok in strict] if strict is not None else [""] * len(prompts)
+        self.tracking.log_images("val/images", [grid], self.global_step, captions=[title],
+                                 text="\n".join(f"- {m}{p}" for m, p in zip(marks, prompts)))
         return out["metrics"]
+
+    def log_rollout_samples(self, batch: SampledBatch, num: int = 8) -> None:
+        """A few of this step's trained samples, with their prompts and rewards, to the image loggers."""
+        if not len(batch):
+            return
+        k = min(num, len(batch))
+        rewards = batch.fields["rewards"][:k]
+        captions = [f"reward {r:.3f}: {m.tags.prompt}" for m, r in zip(batch.metas[:k], rewards)]
+        self.tracking.log_images("rollout/samples", list(batch.fields["images"][:k]), self.global_step,
+                                 captions=captions)
 
     def dump_rollout(self, batch: SampledBatch) -> None:
         """Every ``rollout_data_save_freq`` steps, a grid of this step's trained samples with their rewards."""

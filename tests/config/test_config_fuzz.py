@@ -232,8 +232,8 @@ def test_regressions_found_by_fuzzing(override, key):
 def test_messages_of_the_fixed_holes():
     with pytest.raises(ConfigError) as err:
         load_config(["trainer.logger=5"])
-    assert str(err.value) == ("`trainer.logger` = 5 (expected: Any of console, tensorboard): the check of `trainer` "
-                              "cannot use this value (TypeError: 'int' object is not iterable).")
+    assert str(err.value) == ("`trainer.logger` = 5 (expected: Any of console, tensorboard, wandb): the check of "
+                              "`trainer` cannot use this value (TypeError: 'int' object is not iterable).")
     with pytest.raises(ConfigError) as err:
         load_config(["data.shuffle=2"])
     assert str(err.value) == "`data.shuffle` = 2 is not a bool; write `data.shuffle=true` or `data.shuffle=false`."

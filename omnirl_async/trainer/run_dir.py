@@ -1,0 +1,239 @@
+"""The run directory: every run's resolved config beside its checkpoints and logs, and what reads it back.
+
+``omnirl-async train`` writes ``resolved_config.yaml`` (the validated config,
+interpolations resolved) into ``trainer.default_local_dir`` -- the folder of
+the run's ``global_step_<N>`` checkpoints -- and into the log folder when a
+file logger (tensorboard, wandb) is on. The file is itself a Hydra config
+(its defaults list names the schema), so
+
+* ``omnirl-async eval --run DIR`` composes it (plus any overrides) and scores
+  the newest verified checkpoint in ``DIR`` with the model, resolution and
+  LoRA it was trained with (:func:`load_run_config`, :func:`find_run`);
+* ``omnirl-async train --config-dir DIR --config-name resolved_config``
+  continues the run with nothing retyped;
+* a ``train`` that would resume a checkpoint of ``DIR`` (``trainer.resume_mode``
+  auto or resume_path) is compared with the saved file first
+  (:func:`check_resume_config`): a changed key the checkpoint depends on (the
+  base model, the LoRA's shape, :data:`RESUME_MUST_MATCH`) is refused, any
+  other changed key is named in a warning, except those a continued run is
+  expected to change (:data:`RESUME_FREE`: its length, logging, checkpoint
+  and validation cadence, Ray set-up).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from omegaconf import OmegaConf
+
+from omnirl_async.metrics.loggers import resolve_log_dir
+from omnirl_async.preflight import InputError
+from omnirl_async.trainer.checkpoint import CheckpointManager, verify_or_raise
+
+__all__ = ["RESOLVED_CONFIG", "RESUME_MUST_MATCH", "RESUME_FREE", "config_dict", "resolved_config_text",
+           "run_folders", "write_resolved_config", "read_saved_config", "load_run_config", "find_run",
+           "resume_changes", "check_resume_config", "prepare_run_dir"]
+
+RESOLVED_CONFIG = "resolved_config.yaml"
+
+#: Keys a checkpoint depends on: resuming it with another value is refused.
+RESUME_MUST_MATCH = (
+    "actor_rollout_ref.model.path",
+    "actor_rollout_ref.model.transformer_subfolder",
+    "actor_rollout_ref.model.lora_rank",
+    "actor_rollout_ref.model.lora_alpha",
+    "actor_rollout_ref.model.lora_init_weights",
+    "actor_rollout_ref.model.target_modules",
+    "actor_rollout_ref.model.target_parameters",
+    "actor_rollout_ref.model.exclude_modules",
+)
+
+#: Key prefixes a continued run may change without a word: its length, logging, cadence, Ray set-up.
+RESUME_FREE = (
+    "trainer.project_name", "trainer.experiment_name", "trainer.logger", "trainer.log_dir", "trainer.device",
+    "trainer.total_epochs", "trainer.total_training_steps", "trainer.total_time_minutes", "trainer.save_freq",
+    "trainer.test_freq", "trainer.val_before_train", "trainer.resume_mode", "trainer.resume_from_path",
+    "trainer.max_actor_ckpt_to_keep", "trainer.rollout_data_", "trainer.validation_data_max_samples",
+    "trainer.progress_bar", "trainer.wait_timeout_s", "ray_kwargs.",
+)
+
+_HEADER = """\
+# The resolved config of the omnirl-async run in this folder, written by `omnirl-async train`
+# (interpolations resolved, every key). Reuse it with nothing retyped:
+#   omnirl-async eval --run {folder}      # newest verified checkpoint, this model and resolution
+#   omnirl-async train --config-dir {folder} --config-name resolved_config [key=value ...]   # continue the run
+defaults:
+  - diffusion_trainer_schema
+  - _self_
+
+"""
+
+
+# ---------------------------------------------------------------------------- writing
+def config_dict(config) -> dict[str, Any]:
+    """The validated config as plain nested dicts and lists (the run's hyperparameters)."""
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)
+
+
+def resolved_config_text(config, folder: str | os.PathLike = "DIR") -> str:
+    return _HEADER.format(folder=os.fspath(folder)) + OmegaConf.to_yaml(OmegaConf.create(config_dict(config)))
+
+
+def run_folders(config) -> list[Path]:
+    """``trainer.default_local_dir``, and the log folder when tensorboard or wandb writes there."""
+    tcfg = config.trainer
+    folders = [Path(tcfg.default_local_dir)]
+    loggers = [tcfg.logger] if isinstance(tcfg.logger, str) else list(tcfg.logger or [])
+    if {"tensorboard", "wandb"} & set(loggers):
+        log_dir = resolve_log_dir(tcfg)
+        if log_dir.resolve() != folders[0].resolve():
+            folders.append(log_dir)
+    return folders
+
+
+def write_resolved_config(config, folders: Sequence[str | os.PathLike] | None = None) -> list[Path]:
+    """Write ``resolved_config.yaml`` into each folder (default :func:`run_folders`), atomically."""
+    written = []
+    for folder in (run_folders(config) if folders is None else [Path(f) for f in folders]):
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / RESOLVED_CONFIG
+        tmp = folder / f".{RESOLVED_CONFIG}.{os.getpid()}.tmp"
+        tmp.write_text(resolved_config_text(config, folder), encoding="utf-8")
+        os.replace(tmp, path)
+        written.append(path)
+    return written
+
+
+# ---------------------------------------------------------------------------- reading
+def read_saved_config(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """The saved config of the run in ``folder`` as nested dicts (no ``defaults``); None when absent."""
+    path = Path(folder) / RESOLVED_CONFIG
+    if not path.is_file():
+        return None
+    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    data.pop("defaults", None)
+    return data
+
+
+def load_run_config(folder: str | os.PathLike, overrides: Sequence[str] = ()):
+    """Compose ``folder/resolved_config.yaml`` with ``overrides`` and validate it, as ``train`` would."""
+    from omnirl_async.config import load_config
+
+    return load_config(list(overrides), config_name=Path(RESOLVED_CONFIG).stem, config_dir=folder)
+
+
+def find_run(path: str | os.PathLike, *, report: Callable[[str], None] | None = None) -> tuple[Path, Path]:
+    """``(run folder, checkpoint)`` for ``eval --run``: a run folder's newest verified checkpoint, or the
+    ``global_step_<N>`` folder given (its run folder is the parent)."""
+    p = Path(path)
+    if (p / RESOLVED_CONFIG).is_file():
+        ckpt = CheckpointManager(p).latest_verified(report=report)
+        if ckpt is None:
+            raise InputError(f"`--run` {os.fspath(path)!r} holds {RESOLVED_CONFIG} but no global_step_<N> "
+                             "checkpoint yet. Fix: wait for the run's first checkpoint (`trainer.save_freq`), or "
+                             f"score the base model with `omnirl-async eval --config-dir {p} --config-name "
+                             "resolved_config`.")
+        return p, ckpt
+    if p.name.startswith("global_step_") and (p.parent / RESOLVED_CONFIG).is_file():
+        return p.parent, verify_or_raise(p)
+    where = "its parent has none either" if p.name.startswith("global_step_") else "it is not a run folder"
+    raise InputError(f"`--run` {os.fspath(path)!r} has no {RESOLVED_CONFIG} ({where}; "
+                     "`omnirl-async train` writes it into `trainer.default_local_dir`). Fix: point `--run` at a "
+                     "run's `trainer.default_local_dir` or one of its global_step_<N> folders; for a checkpoint "
+                     "written without it use `omnirl-async eval --lora CKPT key=value ...` with the training "
+                     "overrides.")
+
+
+# ---------------------------------------------------------------------------- resume
+def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+_ABSENT = "<absent>"
+
+
+def resume_changes(saved: Mapping, config) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
+    """``(refused, noted)``: ``(key, saved value, new value)`` for every changed key that matters."""
+    old, new = _flatten(saved), _flatten(config_dict(config))
+    refused, noted = [], []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
+        if a == b:
+            continue
+        if key in RESUME_MUST_MATCH:
+            refused.append((key, a, b))
+        elif not key.startswith(RESUME_FREE):
+            noted.append((key, a, b))
+    return refused, noted
+
+
+def _resume_source(config) -> tuple[Path, str] | None:
+    """The run folder whose checkpoint this run will resume, and which one; None when it starts fresh."""
+    tcfg = config.trainer
+    if tcfg.resume_mode == "auto":
+        folders = CheckpointManager(tcfg.default_local_dir).step_folders()
+        if folders:
+            return Path(tcfg.default_local_dir), f"its checkpoints ({folders[0][1].name} the newest)"
+    elif tcfg.resume_mode == "resume_path" and tcfg.resume_from_path:
+        ckpt = Path(tcfg.resume_from_path)
+        return ckpt.parent, f"its checkpoint {ckpt.name}"
+    return None
+
+
+def check_resume_config(config, *, printer: Callable[[str], None] = print) -> None:
+    """Before a resume: refuse a changed key the checkpoint depends on; name the other changed keys."""
+    source = _resume_source(config)
+    if source is None:
+        return
+    folder, what = source
+    saved = read_saved_config(folder)
+    if saved is None:  # a run written before the file existed: nothing to compare with
+        return
+    refused, noted = resume_changes(saved, config)
+    mode = config.trainer.resume_mode
+    if refused:
+        fix_keys = " ".join(f"`{k}={_override_value(a)}`" for k, a, _ in refused)
+        problems = [f"`{k}` = {_show(b)}, but the run in {folder} that `trainer.resume_mode={mode}` resumes "
+                    f"({what}) was trained with {_show(a)} ({folder / RESOLVED_CONFIG}); a checkpoint only "
+                    "fits the base model and LoRA shape it was trained with." for k, a, b in refused]
+        problems.append(f"Fix: continue that run with its own values (drop the override, or set {fix_keys}), or "
+                        "start a new run with `trainer.resume_mode=disable` and another "
+                        "`trainer.default_local_dir`.")
+        raise InputError(problems)
+    if noted:
+        shown = "; ".join(f"`{k}`: {_show(a)} -> {_show(b)}" for k, a, b in noted)
+        printer(f"warning: resuming the run in {folder} ({what}) with {len(noted)} key(s) changed from its "
+                f"{RESOLVED_CONFIG} (saved -> now): {shown}")
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) and value == _ABSENT else repr(value)
+
+
+def _override_value(value: Any) -> str:
+    """``value`` in Hydra's override grammar (null, true, 8, 'a b', [q,k])."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, str) and not value.replace("_", "").replace("-", "").replace(".", "").replace(
+            ":", "").replace("/", "").isalnum():
+        return repr(value)
+    return str(value)
+
+
+def prepare_run_dir(config, *, printer: Callable[[str], None] = print) -> list[Path]:
+    """At the start of ``train``: check a resume against the saved config, then write the new one."""
+    check_resume_config(config, printer=printer)
+    return write_resolved_config(config)
