@@ -1,0 +1,206 @@
+"""Every algorithm on the embedded world, same wall-clock, same seeds: held-out strict accuracy side by side.
+
+    python benchmarks/bench_algorithms.py [--minutes 20] [--eval-every 60] [--algos flow_grpo,diffusion_nft,...]
+                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/algorithms]
+
+For each algorithm (FlowGRPO, GRPO-Guard, Flow-DPPO, DanceGRPO, DiffusionNFT,
+Diffusion-DPO, AWM) trains sync on the embedded shapes model with the
+``tiny_geneval`` reward for ``--minutes`` (the shared settings are
+``bench_geneval_rl.RL_DEFAULTS``: 4 prompts x 16 samples, two learner processes;
+the per-algorithm settings are :data:`ALGOS`), checkpointing every
+``--eval-every`` steps. Then scores the base model and every checkpoint on the
+held-out prompts (GenEval protocol: ODE sampling, fixed seeds, strict = all
+clauses met; ``overall`` = mean over the four prompt categories) and prints,
+per algorithm: overall strict accuracy before and after, the gain with a 95 %
+bootstrap confidence interval over prompts (paired: the same prompts and seeds
+before and after), and the wall-clock minutes to +10 points.
+Writes ``<out>/curves.png`` (held-out overall accuracy vs minutes, one line per
+algorithm) and ``<out>/results.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
+
+#: Policy-gradient settings of RL_DEFAULTS that a direct-preference run must not carry (they are refused there).
+_PG_ONLY = ("actor_rollout_ref.rollout.algo.sde_type", "actor_rollout_ref.rollout.algo.noise_level",
+            "actor_rollout_ref.rollout.algo.sde_window", "algorithm.rollout_correction")
+
+_DP = ["algorithm.trainer_type=direct_preference", "actor_rollout_ref.rollout.algo.noise_level=0.0",
+       "algorithm.timestep_fraction=0.5"]
+
+#: Per-algorithm overrides on top of RL_DEFAULTS (the documented defaults of each method, ALGORITHMS.md).
+ALGOS: dict[str, list[str]] = {
+    "flow_grpo": [],
+    "grpo_guard": ["actor_rollout_ref.model.algorithm=grpo_guard", "actor_rollout_ref.actor.diffusion_loss.clip_ratio=2e-6",
+                   "algorithm.global_std=false"],
+    "flow_dppo": ["actor_rollout_ref.model.algorithm=flow_dppo"],
+    "dance_grpo": ["actor_rollout_ref.model.algorithm=dance_grpo", "actor_rollout_ref.rollout.algo.sde_type=dance",
+                   "actor_rollout_ref.rollout.algo.noise_level=0.3", "algorithm.global_std=false"],
+    "diffusion_nft": ["actor_rollout_ref.model.algorithm=diffusion_nft", *_DP,
+                      "actor_rollout_ref.model.policy_state_adapters=[default,old]",
+                      "actor_rollout_ref.rollout.rollout_adapter=old", "actor_rollout_ref.actor.diffusion_loss.mix_beta=1.0",
+                      "algorithm.old_policy_decay_schedule=linear_to_0_5"],
+    "dpo": ["actor_rollout_ref.model.algorithm=dpo", *_DP, "algorithm.paired_preference=true",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-4"],
+    "awm": ["actor_rollout_ref.model.algorithm=awm", *_DP],
+}
+
+
+def base_overrides(algo: str) -> list[str]:
+    dp = any(o == "algorithm.trainer_type=direct_preference" for o in ALGOS[algo])
+    return [o for o in RL_DEFAULTS if not (dp and o.split("=", 1)[0].startswith(_PG_ONLY))]
+
+
+def per_prompt_strict(res) -> tuple[list[str], np.ndarray]:
+    """Strict accuracy per prompt (mean over its images), prompts in first-seen order."""
+    strict = next(v for k, v in res.extra.items() if k.endswith("strict"))
+    order: dict[str, list[float]] = {}
+    for p, s in zip(res.prompts, strict):
+        order.setdefault(p, []).append(float(s > 0.5))
+    return list(order), np.array([np.mean(v) for v in order.values()])
+
+
+def overall(prompts: list[str], acc: np.ndarray) -> float:
+    from omnirl_async.data.prompts import prompt_category
+
+    cats: dict[str, list[float]] = {}
+    for p, a in zip(prompts, acc):
+        cats.setdefault(prompt_category(p), []).append(a)
+    return float(np.mean([np.mean(v) for v in cats.values()]))
+
+
+def bootstrap_gain(prompts: list[str], before: np.ndarray, after: np.ndarray, *, n: int = 2000,
+                   seed: int = 0) -> tuple[float, float, float]:
+    """Gain in overall strict accuracy (points) and its 95 % interval, resampling prompts (paired)."""
+    rng = np.random.default_rng(seed)
+    gain = 100 * (overall(prompts, after) - overall(prompts, before))
+    draws = []
+    for _ in range(n):
+        idx = rng.integers(0, len(prompts), len(prompts))
+        ps = [prompts[i] for i in idx]
+        draws.append(100 * (overall(ps, after[idx]) - overall(ps, before[idx])))
+    lo, hi = np.percentile(draws, [2.5, 97.5])
+    return gain, float(lo), float(hi)
+
+
+def run_one(algo: str, args, out: Path, prompts, base) -> dict:
+    from omnirl_async.config import load_config
+    from omnirl_async.trainer.task_runner import TaskRunner
+
+    run = out / algo
+    cfg = load_config(base_overrides(algo) + ALGOS[algo] + [
+        f"trainer.total_time_minutes={args.minutes}", "trainer.total_training_steps=100000",
+        f"trainer.save_freq={args.eval_every}", f"trainer.default_local_dir={run / 'ckpt'}",
+        f"trainer.log_dir={run / 'tb'}", f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}",
+        f"data.seed={args.seed}", *args.overrides])
+    t0 = time.time()
+    summary = TaskRunner(cfg, printer=lambda *a: None).run()
+    minutes = (time.time() - t0) / 60
+    rewards = _scalars(run / "tb", "critic/rewards/mean")
+    t_first = rewards[0][0] if rewards else t0
+    step_minute = {s: (w - t_first) / 60 for w, s, _ in rewards}
+    names, before = per_prompt_strict(base)
+    curve, to_target = [(0.0, overall(names, before))], None
+    last = before
+    for step, path in sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "ckpt").glob("global_step_*")):
+        res = evaluate(cfg, path / "lora", prompts, args.seed)
+        p2, acc = per_prompt_strict(res)
+        assert p2 == names
+        minute = step_minute.get(step, minutes)
+        curve.append((minute, overall(names, acc)))
+        if to_target is None and 100 * (curve[-1][1] - curve[0][1]) >= 10:
+            to_target = minute
+        last = acc
+        print(f"  {algo:<14} step {step:>5} {minute:5.1f} min  overall {curve[-1][1]:.3f}", flush=True)
+    gain, lo, hi = bootstrap_gain(names, before, last, seed=args.seed)
+    return {"steps": summary["global_step"], "minutes": minutes, "before": curve[0][1], "after": curve[-1][1],
+            "gain": gain, "ci": [lo, hi], "minutes_to_plus10": to_target, "curve": curve}
+
+
+def plot(results: dict, path: Path) -> None:
+    from PIL import Image, ImageDraw, ImageFont
+
+    colours = ["blue", "red", "green", "orange", "purple", "brown", "black"]
+    w, h, pad = 720, 400, 52
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    font = ImageFont.load_default()
+    xmax = max([m for r in results.values() for m, _ in r["curve"]] + [1e-6])
+    ymax = max([v for r in results.values() for _, v in r["curve"]] + [0.1]) * 1.1
+
+    def xy(m, v):
+        return pad + (w - 2 * pad) * m / xmax, h - pad - (h - 2 * pad) * v / ymax
+
+    d.line([xy(0, 0), xy(xmax, 0)], fill="black")
+    d.line([xy(0, 0), xy(0, ymax)], fill="black")
+    for k in range(5):
+        v = ymax * k / 4
+        x, y = xy(0, v)
+        d.text((x - 40, y - 6), f"{v:.2f}", fill="black", font=font)
+    d.text((w / 2 - 60, h - pad + 16), f"training minutes (0 - {xmax:.1f})", fill="black", font=font)
+    for i, (algo, r) in enumerate(results.items()):
+        c = colours[i % len(colours)]
+        if len(r["curve"]) > 1:
+            d.line([xy(m, v) for m, v in r["curve"]], fill=c, width=2)
+        d.text((w - pad - 110, pad + 14 * i), algo, fill=c, font=font)
+    d.text((pad + 8, 8), "held-out strict accuracy (GenEval overall) vs training wall-clock", fill="black", font=font)
+    img.save(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=20.0, help="training wall-clock per algorithm")
+    ap.add_argument("--eval-every", type=int, default=60, help="checkpoint (and evaluate) every N steps")
+    ap.add_argument("--algos", default=",".join(ALGOS), help=f"comma list from {list(ALGOS)}")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--images-per-prompt", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_out/algorithms")
+    ap.add_argument("overrides", nargs="*", help="overrides for every run")
+    args = ap.parse_args(argv)
+    algos = [a for a in args.algos.split(",") if a]
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        ap.error(f"--algos: unknown {unknown}; choose from {list(ALGOS)}")
+
+    import torch
+
+    from omnirl_async.config import load_config
+    from omnirl_async.data.prompts import heldout_prompts
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(2)
+    prompts = heldout_prompts()[: args.num_prompts]
+    cfg0 = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"])
+    base = evaluate(cfg0, None, prompts, args.seed)
+    results = {}
+    for algo in algos:
+        results[algo] = run_one(algo, args, out, prompts, base)
+        (out / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "curves.png")
+    print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {args.images_per_prompt} images, "
+          f"seed {args.seed}), {args.minutes:g} min of sync training each:")
+    print(f"| algorithm | steps | before | after | gain (95 % CI) | min to +10 |\n|---|---|---|---|---|---|")
+    for algo, r in results.items():
+        t = f"{r['minutes_to_plus10']:.1f}" if r["minutes_to_plus10"] is not None else "not reached"
+        print(f"| {algo} | {r['steps']} | {100 * r['before']:.1f} % | {100 * r['after']:.1f} % | "
+              f"{r['gain']:+.1f} ({r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}) | {t} |")
+    print(f"curves: {out / 'curves.png'}; command: python benchmarks/bench_algorithms.py {' '.join(argv or sys.argv[1:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
