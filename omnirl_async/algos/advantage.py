@@ -56,6 +56,7 @@ class DiffusionAdvantageEstimator(str, Enum):
     MIX_GRPO = "mix_grpo"
     DANCE_GRPO = "dance_grpo"
     GRPO_GUARD = "grpo_guard"
+    FLOW_DPPO = "flow_dppo"
     DIFFUSION_NFT = "diffusion_nft"
     DPO = "dpo"
     AWM = "awm"
@@ -194,6 +195,7 @@ def _group_advantage(rewards, index, *, epsilon, norm_adv_by_std_in_grpo, global
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.FLOW_GRPO)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.MIX_GRPO)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.GRPO_GUARD)
+@register_diffusion_adv_est(DiffusionAdvantageEstimator.FLOW_DPPO)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.DIFFUSION_NFT)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.DPO)
 @register_diffusion_adv_est(DiffusionAdvantageEstimator.AWM)
@@ -209,8 +211,9 @@ def compute_flow_grpo_outcome_advantage(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Flow-GRPO group advantage with population std (see the module docstring).
 
-    Also registered as ``mix_grpo`` and ``grpo_guard`` (GRPO-Guard runs with
-    ``algorithm.global_std=false``; that is a config choice, not a new formula),
+    Also registered as ``mix_grpo``, ``grpo_guard`` (GRPO-Guard runs with
+    ``algorithm.global_std=false``; that is a config choice, not a new formula)
+    and ``flow_dppo`` (Flow-DPPO changes the loss, not the advantage),
     and as ``diffusion_nft``, ``dpo`` and ``awm``: the direct-preference losses
     read the same group advantage (NFT maps it to an optimality probability,
     DPO picks each group's best and worst by it, AWM weights by it).

@@ -75,8 +75,35 @@ def _preference_loss(loss: Any, root: Any) -> str | None:
 _PG_ONLY = NoEffect("direct-preference losses have no per-step policy ratio to clip or mask", when=_preference_loss,
                     when_doc="with `loss_mode` = " + " / ".join(PREFERENCE_LOSSES))
 
-_NO_DISTILL = ("distillation is not built yet (`actor_rollout_ref.actor.use_distill_loss` = true is refused), so "
-               "nothing reads it")
+def _distill_off(actor: Any, root: Any) -> str | None:
+    return None if actor.use_distill_loss else "while `actor_rollout_ref.actor.use_distill_loss` = false"
+
+
+#: the distillation keys act only with use_distill_loss
+_DISTILL_ONLY = NoEffect("distillation is off, so nothing reads it", when=_distill_off,
+                         when_doc="while `use_distill_loss` = false",
+                         fix="leave it at its default ({default}), or set "
+                             "`actor_rollout_ref.actor.use_distill_loss` = true")
+
+
+def _distill_kl_without_noise(actor: Any, root: Any) -> str | None:
+    noise = root.actor_rollout_ref.rollout.algo.noise_level
+    if actor.distill_loss_mode == "distill_kl" and noise == 0:
+        return ("with `actor_rollout_ref.actor.distill_loss_mode` = 'distill_kl' while "
+                "`actor_rollout_ref.rollout.algo.noise_level` = 0")
+    return None
+
+
+#: distill_kl compares two Gaussian SDE steps; at noise level 0 (the direct-preference presets' deterministic
+#: rollouts, or an ODE policy-gradient run) both are point masses and the term is identically 0
+_DISTILL_KL_NEEDS_NOISE = NoEffect(
+    "the Gaussian KL between the student's and the teacher's SDE steps needs the step's noise (sig > 0); at noise "
+    "level 0 both steps are deterministic Euler steps, the KL term is 0 for every sample and the teacher would "
+    "only cost forward passes",
+    when=_distill_kl_without_noise,
+    when_doc="with `distill_loss_mode` = distill_kl while `rollout.algo.noise_level` = 0",
+    fix="set `actor_rollout_ref.actor.distill_loss_mode=distill_fm_mse` (the velocity MSE, meaningful at any noise "
+        "level), or a `actor_rollout_ref.rollout.algo.noise_level` > 0")
 
 
 @dataclass
@@ -146,10 +173,32 @@ class DiffusionActorConfig:
                                                  when=_kl_off, when_doc="while `use_kl_loss` = false",
                                                  fix="leave it at its default ({default}), or set "
                                                      "`actor_rollout_ref.actor.use_kl_loss` = true"))
-    use_distill_loss: bool = opt(False, "Teacher-anchored distillation.",
-                                 not_built={True: "distillation losses are not built yet"})
-    distill_loss_mode: str = opt("distill_kl", "distill_kl or distill_fm_mse.",
-                                 choices=("distill_kl", "distill_fm_mse"), no_effect=_NO_DISTILL)
-    distill_loss_coef: float = opt(1.0, "Distillation coefficient.", ge=0, no_effect=_NO_DISTILL)
+    use_distill_loss: bool = opt(False, "Add distill_loss_coef x a distillation term towards a frozen teacher "
+                                 "pipeline (distill_teacher_path) to whatever loss runs (both trainer types); the "
+                                 "learner runs the teacher on the student's own samples (same latent, sigma and "
+                                 "prompt embeddings). Metric actor/distill_loss. Not scaled by loss_scale_factor.",
+                                 no_effect=_DISTILL_KL_NEEDS_NOISE)
+    distill_loss_mode: str = opt("distill_kl", "distill_kl: Gaussian KL of the student's and teacher's SDE steps, "
+                                 "mean((mu_s - mu_t)^2)/(2 sig^2) (policy gradient: each trained step; direct "
+                                 "preference: the step x_t -> next grid sigma with rollout.algo.noise_level); "
+                                 "distill_fm_mse: mean((v_s - v_t)^2).",
+                                 choices=("distill_kl", "distill_fm_mse"), no_effect=_DISTILL_ONLY)
+    distill_loss_coef: float = opt(1.0, "Distillation coefficient.", ge=0, no_effect=_DISTILL_ONLY)
+    distill_teacher_path: Any = opt(None, "Teacher pipeline for use_distill_loss: a local diffusers pipeline folder "
+                                    "or embedded:<name> (as actor_rollout_ref.model.path), loaded frozen without "
+                                    "LoRA with the policy's dtype; its latents and prompt-embedding widths must "
+                                    "match the policy's. Required when use_distill_loss=true.",
+                                    no_effect=_DISTILL_ONLY)
     rollout_correction: Any = opt("${algorithm.rollout_correction}",
                                   "Per-actor mirror of algorithm.rollout_correction (read-only copy).")
+
+    def validate(self, path: str) -> None:
+        teacher = self.distill_teacher_path
+        if teacher is not None and (not isinstance(teacher, str) or not teacher.strip()):
+            raise ValueError(f"`{path}.distill_teacher_path` = {teacher!r}: expected a local diffusers pipeline "
+                             "folder or an embedded model such as embedded:tiny-sd3.")
+        if self.use_distill_loss and teacher is None:
+            raise ValueError(f"`{path}.use_distill_loss` = true needs a teacher, but `{path}.distill_teacher_path` "
+                             "is null; set it to a local diffusers pipeline folder (model_index.json inside) or an "
+                             "embedded model (e.g. the policy's own `actor_rollout_ref.model.path`), or set "
+                             f"`{path}.use_distill_loss=false`.")

@@ -85,7 +85,8 @@ class DiffusionAlgoConfig:
                              "Advantage estimator registry key; defaults to actor_rollout_ref.model.algorithm.",
                              choices=_adv_estimators)
     norm_adv_by_std_in_grpo: bool = opt(True, "Divide group-centred rewards by the std (GRPO); false = mean-centring only.")
-    global_std: bool = opt(True, "Use the std over the whole batch instead of within each group.")
+    global_std: bool = opt(True, "Use the std over the whole batch instead of within each group (the grpo_guard and "
+                           "dance_grpo presets set false).")
     old_policy_decay_schedule: str = opt("copy", "DiffusionNFT old-policy EMA schedule.",
                                          choices=("copy", "linear_to_0_5", "delayed_linear_to_0_999"),
                                          no_effect=_OLD_POLICY_ONLY)

@@ -22,6 +22,13 @@ def _upstream_reward_manager(value: Any) -> bool:
             and value.get("source", "register") == "register" and not (value.get("module") or {}).get("path"))
 
 
+def _offline_data_unread(data: Any, root: Any) -> str | None:
+    """Ingested offline pairs are read only by offline mixing or the offline sample source (built next)."""
+    if root.buffer.offline_mix_ratio > 0 or root.algorithm.sample_source == "offline":
+        return None
+    return "while `buffer.offline_mix_ratio` = 0 and `algorithm.sample_source` = online"
+
+
 def _rewards():
     from omnirl_async.rewards import registered_rewards
 
@@ -40,6 +47,16 @@ class DataConfig:
     val_max_samples: Any = opt(64, "Cap on validation prompts; null = all.", gt=0)
     shuffle: bool = opt(True, "Shuffle prompts each epoch.")
     seed: int = opt(1, "Seed of the prompt order.")
+    offline_files: Any = opt(None, "Preference datasets (.jsonl, .parquet or `datasets` folders; "
+                             "docs/PREFERENCE_DATA.md) checked and ingested into `<trainer.default_local_dir>/offline/` "
+                             "at the start of `train`, as `omnirl-async ingest` does; null = none.",
+                             no_effect=NoEffect("ingested data is only read with `buffer.offline_mix_ratio` > 0 or "
+                                                "`algorithm.sample_source` = offline, built next",
+                                                when=_offline_data_unread,
+                                                when_doc="while `buffer.offline_mix_ratio` = 0 and "
+                                                         "`algorithm.sample_source` = online",
+                                                fix="leave it at null; `omnirl-async ingest DATASET --run-dir DIR` "
+                                                    "fills a run's offline store today"))
 
 
 @dataclass

@@ -7,7 +7,8 @@ Regenerate after changing a config field (``tests/config/test_schema_walk.py`` c
 Everything comes from the schema: the help text and rule of each :func:`~omnirl_async.config.fields.opt`, its
 ``not_built`` values and its :class:`~omnirl_async.config.fields.NoEffect` declarations (and those a section field
 makes for the keys below it). The default is the value of the shipped ``diffusion_trainer.yaml`` (which sets a few
-keys of the schema), with interpolations left as written.
+keys of the schema), with interpolations left as written. The algorithm presets
+(:mod:`omnirl_async.config.presets`) follow the key table.
 """
 
 from __future__ import annotations
@@ -152,7 +153,9 @@ def render() -> str:
         cells = [f"`{info.path}`", f"`{_shown(_lookup(defaults, info.path))}`",
                  *(mode_effect(info, mode) for mode in MODES), _description(info)]
         out.append("| " + " | ".join(_cell(c) for c in cells) + " |")
-    return "\n".join(out) + "\n"
+    from omnirl_async.config.presets import render_table
+
+    return "\n".join(out) + "\n" + render_table()
 
 
 def main() -> int:

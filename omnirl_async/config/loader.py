@@ -7,6 +7,14 @@ its defaults so every key is typed. Command-line overrides use Hydra's grammar
 (``a.b=1``, ``+a.c=2``, ``~a.d``), and the result is checked by
 :func:`to_validated_object`.
 
+Choosing an algorithm applies its preset (:mod:`omnirl_async.config.presets`)
+between the trainer YAML and what you set: schema default < ``diffusion_trainer.yaml``
+< preset < recipe YAML < command line. Which keys *you* set is read from the
+composition itself: the keys written in every config file of its defaults list
+other than the schema and ``diffusion_trainer`` (the recipe and what it
+includes), plus the keys of the command-line overrides. Validation runs after
+the presets.
+
 Every failure is a :class:`ConfigError` whose message starts with the key
 path: each override is parsed on its own first, so a malformed one (``a.b=[1``,
 ``a.b``, a sweep such as ``a.b=choice(1,2)``) is reported with its key, and
@@ -27,13 +35,17 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
+from omnirl_async.config import presets as _presets
 from omnirl_async.config.root import DiffusionTrainerConfig
 from omnirl_async.config.validate import (ConfigError, schema_at, to_validated_object, type_at,
                                           unknown_key_message)
 
-__all__ = ["register_configs", "default_config_dir", "check_override_syntax", "compose_config", "load_config"]
+__all__ = ["register_configs", "default_config_dir", "check_override_syntax", "compose_config", "load_config",
+           "user_set_keys", "to_yaml"]
 
 SCHEMA_NAME = "diffusion_trainer_schema"
+#: The trainer YAML: its values are defaults that a preset replaces; any other config file's are the user's.
+BASE_CONFIG_NAME = "diffusion_trainer"
 _REGISTERED = False
 
 
@@ -104,7 +116,12 @@ def _first_lines(err: BaseException) -> str:
 
 def compose_config(overrides: Sequence[str] = (), *, config_name: str = "diffusion_trainer",
                    config_dir: str | os.PathLike | None = None) -> DictConfig:
-    """Compose the YAML and the overrides into a DictConfig (not yet validated)."""
+    """Compose the YAML and the overrides into a DictConfig, presets applied (not yet validated)."""
+    return _compose(overrides, config_name=config_name, config_dir=config_dir)[0]
+
+
+def _compose(overrides: Sequence[str], *, config_name: str,
+             config_dir: str | os.PathLike | None) -> tuple[DictConfig, _presets.PresetReport]:
     register_configs()
     overrides = list(overrides)
     check_override_syntax(overrides)
@@ -113,9 +130,65 @@ def compose_config(overrides: Sequence[str] = (), *, config_name: str = "diffusi
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
-            return compose(config_name=config_name, overrides=overrides)
+            cfg = compose(config_name=config_name, overrides=overrides)
+            user_keys = user_set_keys(config_name, overrides)
+    except ConfigError:
+        raise
     except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf internals: translate, never pass through
         raise ConfigError(_explain(err, config_name, cdir, overrides)) from None
+    return cfg, _presets.apply_presets(cfg, user_keys)
+
+
+def user_set_keys(config_name: str, overrides: Sequence[str]) -> set[str]:
+    """The key paths the user set: those of the command-line overrides, and every key written in a config file
+    of the composition other than the schema and the trainer YAML (:data:`BASE_CONFIG_NAME`).
+
+    Call inside an initialised Hydra context (as :func:`compose_config` does). The defaults list and the files'
+    own text come from Hydra's config loader (the interface config-source plugins implement), so recipes that
+    include other recipes, config groups and ``@package`` placement are all followed.
+    """
+    from hydra.types import RunMode
+
+    keys: set[str] = set()
+    parser = OverridesParser.create()
+    for text in overrides:
+        key = override_key(text)
+        if not key or "/" in key:  # a config-group choice (hydra/...), not a key
+            continue
+        value = parser.parse_override(text).value() if "=" in text else None
+        keys |= _leaf_paths(OmegaConf.create(value), key) if isinstance(value, dict) else {key}
+    loader = GlobalHydra.instance().config_loader()
+    sources = loader.get_sources()
+    for entry in loader.compute_defaults_list(config_name, list(overrides), RunMode.RUN).defaults:
+        path, package = entry.config_path, entry.package or ""
+        if path is None or path in (SCHEMA_NAME, BASE_CONFIG_NAME) or path.startswith("hydra/") \
+                or package == "hydra" or package.startswith("hydra."):
+            continue
+        source = next((s for s in sources if s.is_config(path)), None)
+        if source is None:
+            continue
+        node = source.load_config(path).config
+        if not isinstance(node, DictConfig):
+            continue
+        prefix = "" if package == "_global_" else package.removeprefix("_global_.")
+        for key in node.keys():
+            if key != "defaults" or prefix:
+                keys |= _leaf_paths(node._get_node(key), f"{prefix}.{key}" if prefix else str(key))
+    return keys
+
+
+def _leaf_paths(node, path: str) -> set[str]:
+    """The key paths of the leaves at and below ``path`` in a raw (unresolved) config node.
+
+    A section is merged key by key (in a YAML file and in a ``key={...}`` override alike), so it sets only its
+    leaves; a list, a null, an interpolation or an empty mapping is one leaf."""
+    if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none() \
+            and not node._is_interpolation() and len(node):
+        out: set[str] = set()
+        for key in node.keys():
+            out |= _leaf_paths(node._get_node(key), f"{path}.{key}")
+        return out
+    return {path}
 
 
 def _explain(err: BaseException, config_name: str, cdir: Path, overrides: Sequence[str]) -> str:
@@ -146,10 +219,17 @@ def _explain(err: BaseException, config_name: str, cdir: Path, overrides: Sequen
 
 def load_config(overrides: Sequence[str] = (), *, config_name: str = "diffusion_trainer",
                 config_dir: str | os.PathLike | None = None) -> DiffusionTrainerConfig:
-    """Compose, then validate; returns the typed :class:`DiffusionTrainerConfig`."""
-    cfg = compose_config(overrides, config_name=config_name, config_dir=config_dir)
-    return to_validated_object(cfg, DiffusionTrainerConfig)
+    """Compose, apply the presets, then validate; returns the typed :class:`DiffusionTrainerConfig`
+    (:func:`omnirl_async.config.presets.applied_presets` tells which presets it carries)."""
+    cfg, report = _compose(overrides, config_name=config_name, config_dir=config_dir)
+    try:
+        obj = to_validated_object(cfg, DiffusionTrainerConfig)
+    except ConfigError as err:
+        raise ConfigError(_presets.explain(str(err), report)) from None
+    return _presets.attach(obj, report)
 
 
-def to_yaml(cfg: DiffusionTrainerConfig) -> str:
-    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+def to_yaml(cfg: DiffusionTrainerConfig, *, show_presets: bool = False) -> str:
+    """The config as YAML; ``show_presets`` puts comment lines above it naming the preset keys applied."""
+    text = OmegaConf.to_yaml(OmegaConf.structured(cfg))
+    return (_presets.describe(_presets.applied_presets(cfg)) + text) if show_presets else text

@@ -27,7 +27,10 @@ class DiffusionModelConfig:
                           choices=("diffusion_model",))
     path: str = opt(DEFAULT_MODEL_PATH, "Local diffusers pipeline folder (model_index.json inside), "
                     "or embedded:tiny-sd3 / embedded:tiny-flux for the models the project builds.")
-    algorithm: str = opt("flow_grpo", "RL algorithm; drives the default loss_mode and adv_estimator.",
+    algorithm: str = opt("flow_grpo", "RL algorithm; drives the default loss_mode and adv_estimator, and applies "
+                         "its preset (the algorithm's documented defaults, e.g. grpo_guard: clip_ratio 2e-6 and "
+                         "per-group std) to the keys a recipe or the command line does not set: "
+                         "omnirl_async/config/presets.py.",
                          choices=_ALGORITHMS)
     tokenizer_path: Any = opt(None, "Tokenizer folder if not inside path (falls back to <path>/tokenizer).",
                               no_effect=_OUTSIDE_PIPELINE)

@@ -26,8 +26,11 @@ class DiffusionPipelineConfig:
 
 @dataclass
 class DiffusionRolloutAlgoConfig:
-    noise_level: float = opt(0.7, "SDE noise level a inside the window (Flow-GRPO: 0.7; cps: 0.8; dance: eta).", ge=0)
-    sde_type: str = opt("sde", "SDE variant: sde, cps (unscaled log-probs: use clip ~1e-5) or dance.",
+    noise_level: float = opt(0.7, "SDE noise level a inside the window (Flow-GRPO: 0.7; cps: 0.8; dance: eta 0.3; "
+                             "the sde_type presets set the latter two unless you set it).", ge=0)
+    sde_type: str = opt("sde", "SDE variant: sde, cps (unscaled log-probs: its preset sets clip_ratio 1e-5 and "
+                        "noise_level 0.8) or dance (preset: noise_level 0.3); the presets apply with the "
+                        "policy-gradient trainer type, to keys you do not set.",
                         choices=("sde", "cps", "dance"))
     sde_window_size: Any = opt(None, "SDE window length in steps; null = every step.", gt=0)
     sde_window_range: Any = opt(None, "[start, end) envelope for the window start; null = whole trajectory.")

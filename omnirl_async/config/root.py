@@ -47,7 +47,7 @@ class DiffusionTrainerConfig:
             raise ValueError(f"`data.train_batch_size` = {self.data.train_batch_size} must be a multiple of "
                              f"`actor_rollout_ref.actor.ppo_mini_batch_size` = {aro.actor.ppo_mini_batch_size}.")
         self._check_trainer_type()
-        if self.algorithm.adv_estimator in ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard",
+        if self.algorithm.adv_estimator in ("flow_grpo", "mix_grpo", "dance_grpo", "grpo_guard", "flow_dppo",
                                             "diffusion_nft", "dpo", "awm") and n < 2:
             raise ValueError(f"`actor_rollout_ref.rollout.n` = {n}: group advantages need at least 2 samples "
                              "per prompt.")

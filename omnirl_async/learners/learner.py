@@ -8,7 +8,9 @@ is a chain of steps, each overridable and testable alone (RLlib's template):
    current weights before any update (``bypass_mode`` skips this and uses the
    behaviour log-probs), then rollout correction weights,
 3. :meth:`compute_losses` – per mini-batch / micro-batch / trained SDE step:
-   velocity → SDE log-prob of the stored next latents → loss,
+   velocity → SDE log-prob of the stored next latents → loss (plus, with
+   ``actor.use_distill_loss``, :meth:`distill_loss`: ``distill_loss_coef`` times
+   a term towards a frozen teacher pipeline, computed at the same latent),
 4. :meth:`average_gradients` – average across learners; :meth:`find_nonfinite` –
    the step's loss and gradients must be finite (see below);
    :meth:`postprocess_gradients` – clip the norm,
@@ -46,10 +48,11 @@ import torch
 import torch.distributed as dist
 
 from omnirl_async.algos import compute_rollout_correction, get_diffusion_adv_estimator_fn, get_diffusion_loss_fn
+from omnirl_async.algos.losses.distill import DISTILL_METRIC, distill_term
 from omnirl_async.models.data_parallel import Group
 from omnirl_async.models.policy import PromptEmbeds
-from omnirl_async.models.sde import sde_step_with_logprob
-from omnirl_async.models.setup import build_policy, pick_device
+from omnirl_async.models.sde import SDEStepOutput, sde_step_with_logprob
+from omnirl_async.models.setup import build_policy, build_teacher, pick_device
 
 __all__ = ["Learner", "NonFiniteError"]
 
@@ -92,6 +95,9 @@ class Learner:
         if not self.params:
             raise RuntimeError("the policy has no trainable parameters; set "
                                "`actor_rollout_ref.model.lora_rank` > 0 or 0 for full training.")
+        # distillation teacher: frozen, no LoRA, the policy's device and dtype (None without use_distill_loss)
+        self.teacher = (build_teacher(self.actor_cfg.distill_teacher_path, aro.model, self.device, policy=self.policy)
+                        if self.actor_cfg.use_distill_loss else None)
         names = {id(p): n for n, p in self.policy.transformer.named_parameters()}
         self.param_names = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)]
         self.optimizer = self.configure_optimizer()
@@ -147,16 +153,51 @@ class Learner:
     def _rows(self, b: dict[str, Any], idx: torch.Tensor) -> dict[str, torch.Tensor]:
         return {k: v[idx] for k, v in b.items() if isinstance(v, torch.Tensor)}
 
-    def _step_forward(self, mb: dict[str, torch.Tensor], j: int, embeds: PromptEmbeds, *, reference: bool = False):
-        """Velocity at trained step j and the SDE log-prob of the stored next latents."""
+    def _step_forward(self, mb: dict[str, torch.Tensor], j: int, embeds: PromptEmbeds, *, reference: bool = False,
+                      with_velocity: bool = False):
+        """Velocity at trained step j and the SDE log-prob of the stored next latents.
+
+        Returns the :class:`SDEStepOutput`; with ``with_velocity`` the pair ``(output, v)``."""
         x = mb["latents"][:, j].to(self.device)
         s, s_next = mb["sigmas"][:, j].to(self.device), mb["sigmas_next"][:, j].to(self.device)
-        pcfg, acfg = self.rollout_cfg.pipeline, self.rollout_cfg.algo
-        v = self.policy.predict_velocity(x, s, embeds, true_cfg_scale=pcfg.true_cfg_scale,
-                                         guidance_scale=pcfg.guidance_scale)
-        out = sde_step_with_logprob(v.float(), s, s_next, x.float(), noise_level=acfg.noise_level,
-                                    sde_type=acfg.sde_type, prev_sample=mb["next_latents"][:, j].to(self.device))
-        return out
+        v = self.velocity(self.policy, x, s, embeds)
+        out = self._sde_step(v, x, s, s_next, mb["next_latents"][:, j].to(self.device))
+        return (out, v) if with_velocity else out
+
+    def velocity(self, model, x: torch.Tensor, sigma: torch.Tensor, embeds: PromptEmbeds) -> torch.Tensor:
+        """``model``'s velocity (fp32) at ``x``, with the rollout's guidance settings (policy or teacher alike)."""
+        pcfg = self.rollout_cfg.pipeline
+        return model.predict_velocity(x, sigma, embeds, true_cfg_scale=pcfg.true_cfg_scale,
+                                      guidance_scale=pcfg.guidance_scale).float()
+
+    def _sde_step(self, v, x, s, s_next, prev_sample) -> SDEStepOutput:
+        """The rollout's SDE step (``rollout.algo`` noise level and type) from ``x`` with velocity ``v``."""
+        acfg = self.rollout_cfg.algo
+        return sde_step_with_logprob(v.float(), s, s_next, x.float(), noise_level=acfg.noise_level,
+                                     sde_type=acfg.sde_type, prev_sample=prev_sample)
+
+    def distill_loss(self, v: torch.Tensor, x: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor,
+                     embeds: PromptEmbeds, *, student_step: SDEStepOutput | None = None
+                     ) -> tuple[torch.Tensor, dict[str, float]]:
+        """``distill_loss_coef * term`` (with the student's gradient) and ``{actor/distill_loss: term}``.
+
+        The teacher runs at the student's own latent ``x``, ``sigma`` and ``embeds`` (no gradient).
+        distill_fm_mse compares the velocities; distill_kl the two SDE steps ``sigma -> sigma_next`` of the
+        rollout's noise level and type (``student_step``: the student's step when already computed).
+        See :mod:`omnirl_async.algos.losses.distill`.
+        """
+        a = self.actor_cfg
+        with torch.no_grad():
+            v_teacher = self.velocity(self.teacher, x, sigma, embeds)
+        if a.distill_loss_mode == "distill_kl":
+            x = x.float()
+            # the means do not depend on prev_sample: pass x rather than draw noise
+            student = self._sde_step(v, x, sigma, sigma_next, x) if student_step is None else student_step
+            teacher = self._sde_step(v_teacher, x, sigma, sigma_next, x)
+            term = distill_term("distill_kl", mean_student=student.mean, mean_teacher=teacher.mean, sig=student.sig)
+        else:
+            term = distill_term(a.distill_loss_mode, v_student=v, v_teacher=v_teacher)
+        return float(a.distill_loss_coef) * term, {DISTILL_METRIC: float(term.detach())}
 
     # the unit a permutation shuffles: one sample here; a (winner, loser) pair for the pairwise losses
     rows_per_unit = 1
@@ -243,7 +284,7 @@ class Learner:
         emb = _embeds_from_fields(mb).to(self.device)
         sums: dict[str, float] = {}
         for j in steps:
-            out = self._step_forward(mb, j, emb)
+            out, v = self._step_forward(mb, j, emb, with_velocity=True)
             model_output = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std, "sig": out.sig, "dt": out.dt}
             if self.actor_cfg.use_kl_loss:  # reference = base weights (adapter disabled)
                 with self.policy.disable_adapter(), torch.no_grad():
@@ -255,10 +296,15 @@ class Learner:
             res = self.loss_fn(model_output, data)
             loss = res.loss
             metrics = dict(res.metrics)
+            if self.teacher is not None:  # at the stored latent of step j: same sigma, same embeddings
+                x, s, s_next = (mb[k][:, j].to(self.device) for k in ("latents", "sigmas", "sigmas_next"))
+                d_loss, d_metrics = self.distill_loss(v, x, s, s_next, emb, student_step=out)
+                loss = loss + d_loss
+                metrics.update(d_metrics)
             (loss * scale).backward()
             metrics["actor/loss"] = float(loss.detach())
-            for k, v in metrics.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            for k, val in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(val)
         return sums
 
     # ---------------------------------------------------------------- 4.-5. grads

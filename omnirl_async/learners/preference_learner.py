@@ -20,7 +20,10 @@ for losses on the *forward* (noising) process:
   before this update at the same ``x_t`` (``v_prox``, the ratio's denominator);
 * :meth:`compute_losses` runs only the forwards the loss names in
   ``model_output_keys``: ``v`` (trained), ``v_old`` (the ``old`` adapter),
-  ``v_ref`` (adapter disabled).
+  ``v_ref`` (adapter disabled); with ``actor.use_distill_loss`` it adds
+  :meth:`~omnirl_async.learners.learner.Learner.distill_loss` at the same
+  ``x_t``, ``t`` and embeddings (distill_kl: the SDE steps ``t -> t_next``, the
+  grid's next sigma, with the rollout's noise level).
 
 The **old adapter** (``actor_rollout_ref.model.policy_state_adapters`` holds
 ``old``) is a second LoRA adapter on the same base (see
@@ -66,8 +69,9 @@ class PreferenceLearner(Learner):
         self.pairwise = bool(self.algo_cfg.paired_preference)
         self.rows_per_unit = 2 if self.pairwise else 1
         pcfg = self.rollout_cfg.pipeline
-        # the scheduler's inference grid without its final 0: the sigmas a rollout visits
-        self.sigma_grid = self.policy.make_sigmas(pcfg.num_inference_steps, pcfg.height, pcfg.width)[:-1].float().cpu()
+        # the scheduler's inference grid without its final 0: the sigmas a rollout visits; and each one's next sigma
+        grid = self.policy.make_sigmas(pcfg.num_inference_steps, pcfg.height, pcfg.width).float().cpu()
+        self.sigma_grid, self.sigma_grid_next = grid[:-1], grid[1:]
         self.optimizer_steps = 0  # applied optimizer steps (the old-policy schedule's clock)
         self.old_version = 0  # learner update whose weights the old adapter last absorbed
         self.old_decay = 0.0
@@ -92,7 +96,9 @@ class PreferenceLearner(Learner):
         return batch
 
     def _draw_timesteps(self, b: dict[str, Any]) -> None:
-        """``b['t']`` [B, T] and ``b['eps']`` [B, T, *latent]; the two rows of a pair share both."""
+        """``b['t']`` [B, T] and ``b['eps']`` [B, T, *latent]; the two rows of a pair share both.
+
+        With a teacher, also ``b['t_next']`` [B, T]: the grid sigma after each ``t`` (distill_kl's step)."""
         x0 = b["x0"].float()
         units = x0.shape[0] // self.rows_per_unit
         n = len(self.sigma_grid)
@@ -102,6 +108,8 @@ class PreferenceLearner(Learner):
         t = self.sigma_grid[idx]
         eps = torch.randn((units, steps, *x0.shape[1:]), generator=self.rng)
         k = self.rows_per_unit
+        if self.teacher is not None:
+            b["t_next"] = self.sigma_grid_next[idx].repeat_interleave(k, dim=0)
         b["t"] = t.repeat_interleave(k, dim=0)
         b["eps"] = eps.repeat_interleave(k, dim=0)
 
@@ -119,9 +127,7 @@ class PreferenceLearner(Learner):
         t = mb["t"][:, j].to(self.device).float()
         tb = t.view(-1, *([1] * (x0.ndim - 1)))
         x_t = (1.0 - tb) * x0 + tb * eps
-        pcfg = self.rollout_cfg.pipeline
-        v = self.policy.predict_velocity(x_t, t, embeds, true_cfg_scale=pcfg.true_cfg_scale,
-                                         guidance_scale=pcfg.guidance_scale).float()
+        v = self.velocity(self.policy, x_t, t, embeds)
         return v, {"x_t": x_t, "x0": x0, "eps": eps, "t": t}
 
     def compute_proximal(self, b: dict[str, Any], minibatches) -> None:
@@ -161,9 +167,15 @@ class PreferenceLearner(Learner):
             if "v_prox" in self.loss_fn.data_keys:
                 data["v_prox"] = mb["v_prox"][:, j].to(self.device)
             res = self.loss_fn(model_output, data)
-            (res.loss * scale).backward()
+            loss = res.loss
             metrics = dict(res.metrics)
-            metrics["actor/loss"] = float(res.loss.detach())
+            if self.teacher is not None:  # at the same x_t, t and embeddings
+                t_next = mb["t_next"][:, j].to(self.device)
+                d_loss, d_metrics = self.distill_loss(v, inputs["x_t"], inputs["t"], t_next, emb)
+                loss = loss + d_loss
+                metrics.update(d_metrics)
+            (loss * scale).backward()
+            metrics["actor/loss"] = float(loss.detach())
             for k, val in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(val)
         return sums

@@ -18,6 +18,11 @@ where there is one, what is wrong and the fix):
   supported pipeline, every listed component folder present).
 * ``actor_rollout_ref.model.lora_adapter_path`` - a readable PEFT adapter of the
   declared rank (:func:`omnirl_async.preflight.check_lora_adapter`).
+* ``actor_rollout_ref.actor.distill_teacher_path`` (with ``use_distill_loss``) -
+  the same checks as the model path, then the teacher's latent layout and
+  prompt-embedding widths, read from its JSON configs, must equal the policy's
+  (:func:`omnirl_async.models.setup.signature_mismatches`); embedded tiny models
+  are built for this (they are cached, and the learners load them anyway).
 * ``reward.custom_reward_function`` and every ``reward.reward_functions.*`` -
   the file exists, compiles and binds the function name
   (:func:`omnirl_async.preflight.check_user_definition`); entries without a
@@ -142,6 +147,38 @@ def _check_model(config) -> list[str]:
 
 
 
+def _check_teacher(config) -> list[str]:
+    """The distillation teacher: a loadable pipeline folder whose latents match the policy's."""
+    actor, model = config.actor_rollout_ref.actor, config.actor_rollout_ref.model
+    if not actor.use_distill_loss:
+        return []
+    from omnirl_async.models.setup import TEACHER_KEY, folder_latent_signature, resolve_teacher_path
+
+    path = actor.distill_teacher_path
+    problems = _problems_of(check_model_path, path, key=TEACHER_KEY)
+    if problems or _check_model(config):  # a broken policy path is reported by _check_model
+        return problems
+    try:
+        teacher = folder_latent_signature(resolve_teacher_path(path))
+    except (OSError, ValueError) as err:
+        return [f"`{TEACHER_KEY}` = {path!r}: the teacher's configs cannot be read ({err}); copy the whole "
+                "pipeline folder again, or set `actor_rollout_ref.actor.use_distill_loss=false`."]
+    return _teacher_mismatch(path, model, teacher)
+
+
+def _teacher_mismatch(path: Any, model, teacher: dict) -> list[str]:
+    from omnirl_async.models.resolve import resolve_model_path
+    from omnirl_async.models.setup import folder_latent_signature, signature_mismatches, teacher_mismatch_message
+
+    try:
+        policy = folder_latent_signature(resolve_model_path(model.path), model.transformer_subfolder)
+    except (OSError, ValueError):
+        return []  # the policy's own folder problem is _check_model's to report
+    diffs = signature_mismatches(policy, teacher)
+    return [teacher_mismatch_message(path, model.path, diffs)] if diffs else []
+
+
+
 def _check_lora(config) -> list[str]:
     folder = config.actor_rollout_ref.model.lora_adapter_path
     if folder is None:
@@ -232,7 +269,7 @@ def _check_resume(config) -> list[str]:
 # --------------------------------------------------------------------------- entry points
 #: Every check: ``config -> list of problems``. Run in this order.
 CHECKS: tuple[Callable[[Any], list[str]], ...] = (
-    check_prompt_files, _check_model, _check_lora, _check_rewards, _check_sampler, _check_resume)
+    check_prompt_files, _check_model, _check_teacher, _check_lora, _check_rewards, _check_sampler, _check_resume)
 
 
 def find_input_problems(config) -> list[str]:

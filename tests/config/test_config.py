@@ -79,7 +79,6 @@ def test_unknown_key_in_a_recipe_yaml_is_rejected(tmp_path):
     ("trainer.v1.trainer_mode=omni_sync", "not built"),
     ("actor_rollout_ref.rollout.name=vllm_omni", "vLLM"),
     ("actor_rollout_ref.actor.strategy=fsdp", "FSDP"),
-    ("actor_rollout_ref.actor.use_distill_loss=true", "not built"),
     ("buffer.offline_mix_ratio=0.5", "not built"),
 ])
 def test_features_not_built_yet_are_refused_loudly(override, needle):
@@ -90,14 +89,22 @@ def test_features_not_built_yet_are_refused_loudly(override, needle):
 
 
 @pytest.mark.parametrize("overrides, needles", [
-    # a preference loss with the policy-gradient trainer, and the reverse
-    (["actor_rollout_ref.model.algorithm=diffusion_nft"], ["loss_mode", "algorithm.trainer_type=direct_preference"]),
+    # a preference loss with the policy-gradient trainer, and the reverse (`model.algorithm=diffusion_nft` alone
+    # is valid: its preset sets the trainer type, tests/config/test_presets.py)
+    (["actor_rollout_ref.actor.diffusion_loss.loss_mode=diffusion_nft"],
+     ["loss_mode", "algorithm.trainer_type=direct_preference"]),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.trainer_type=policy_gradient"],
+     ["policy_state_adapters", "policy_gradient", "preset of `actor_rollout_ref.model.algorithm=diffusion_nft`",
+      "you set `algorithm.trainer_type=policy_gradient`"]),
     (["algorithm.trainer_type=direct_preference"], ["'flow_grpo' is a policy-gradient loss", "diffusion_nft, dpo"]),
     # rollouts with an adapter that does not exist
     (["actor_rollout_ref.rollout.rollout_adapter=old"], ["rollout_adapter", "[default,old]"]),
-    (["actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.trainer_type=direct_preference"],
-     ["policy_state_adapters", "[default,old]"]),
-    (["actor_rollout_ref.model.algorithm=dpo", "algorithm.trainer_type=direct_preference"],
+    (["actor_rollout_ref.model.algorithm=diffusion_nft", "actor_rollout_ref.model.policy_state_adapters=[default]",
+      "algorithm.old_policy_decay_schedule=copy"], ["rollout_adapter", "[default,old]"]),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft", "actor_rollout_ref.model.policy_state_adapters=[default]",
+      "actor_rollout_ref.rollout.rollout_adapter=default", "algorithm.old_policy_decay_schedule=copy"],
+     ["diffusion_nft mixes the trained velocity", "policy_state_adapters", "[default,old]"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "algorithm.paired_preference=false"],
      ["algorithm.paired_preference=true"]),
     (["algorithm.paired_preference=true"], ["only the pair-based loss (dpo)"]),
     (["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",

@@ -543,11 +543,15 @@ REFUSALS = [
      "= direct_preference (DiffusionNFT / DPO / AWM); the reference policy is always the base model with the adapter "
      "disabled; leave it at its default (null)"),
     ("sync", ["actor_rollout_ref.actor.distill_loss_mode=distill_fm_mse"],
-     "`actor_rollout_ref.actor.distill_loss_mode` = 'distill_fm_mse' is refused: distillation is not built yet "
-     "(`actor_rollout_ref.actor.use_distill_loss` = true is refused), so nothing reads it; leave it at its default "
-     "('distill_kl')."),
+     "`actor_rollout_ref.actor.distill_loss_mode` = 'distill_fm_mse' is refused while "
+     "`actor_rollout_ref.actor.use_distill_loss` = false: distillation is off, so nothing reads it; leave it at its "
+     "default ('distill_kl'), or set `actor_rollout_ref.actor.use_distill_loss` = true."),
     ("separate_async", ["actor_rollout_ref.actor.distill_loss_coef=0.5"],
-     "`actor_rollout_ref.actor.distill_loss_coef` = 0.5 is refused: distillation is not built yet"),
+     "`actor_rollout_ref.actor.distill_loss_coef` = 0.5 is refused while `actor_rollout_ref.actor.use_distill_loss` "
+     "= false: distillation is off"),
+    ("sync", ["actor_rollout_ref.actor.distill_teacher_path=embedded:tiny-sd3"],
+     "`actor_rollout_ref.actor.distill_teacher_path` = 'embedded:tiny-sd3' is refused while "
+     "`actor_rollout_ref.actor.use_distill_loss` = false: distillation is off"),
     ("sync", ["actor_rollout_ref.model.fsdp_layer_prefixes=[transformer_blocks]"],
      "`actor_rollout_ref.model.fsdp_layer_prefixes` = ['transformer_blocks'] is refused: this project does not "
      "shard with FSDP (`actor_rollout_ref.actor.strategy` = ddp), so nothing reads it; leave it at its default "
@@ -649,6 +653,10 @@ ACCEPTED = [
     ("separate_async", ["actor_rollout_ref.model.algorithm=awm", "algorithm.trainer_type=direct_preference",
                         "actor_rollout_ref.model.policy_state_adapters=[default,old]", "algorithm.old_policy_decay=0.9",
                         "actor_rollout_ref.actor.diffusion_loss.old_kl_coef=0.01"]),
+    # an algorithm alone: its preset sets the keys it needs (omnirl_async/config/presets.py)
+    *[(mode, [f"actor_rollout_ref.model.algorithm={algo}"]) for mode in ("sync", "separate_async")
+      for algo in ("diffusion_nft", "dpo", "awm", "flow_dppo", "dance_grpo", "grpo_guard")],
+    ("sync", ["actor_rollout_ref.rollout.algo.sde_type=cps"]),
     ("sync", ["reward.reward_manager=naive"]),
     ("sync", ["reward.reward_manager={source: register, name: naive}"]),
     ("sync", ["actor_rollout_ref.model.target_parameters=[]"]),
