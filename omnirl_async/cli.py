@@ -8,6 +8,10 @@
                                                  config the run saved (RUN_DIR/resolved_config.yaml)
     omnirl-async config [key=value ...]          print the resolved, validated config
     omnirl-async build-tiny {sd3,flux} DIR       write a tiny random-weight pipeline folder
+    omnirl-async ingest DATASET --run-dir DIR [--skip-invalid] [key=value ...]
+                                                 check a preference dataset (docs/PREFERENCE_DATA.md) and
+                                                 store it VAE-encoded in DIR/offline/ for the model the
+                                                 config names
     omnirl-async export CKPT --out DIR [--base MODEL] [--check]
                                                  write a checkpoint's LoRA as a diffusers LoRA
                                                  (pytorch_lora_weights.safetensors) loadable with
@@ -124,7 +128,7 @@ def cmd_eval(args) -> int:
 def cmd_config(args) -> int:
     from omnirl_async.config.loader import to_yaml
 
-    print(to_yaml(_load(args)))
+    print(to_yaml(_load(args), show_presets=True))
     return 0
 
 
@@ -133,6 +137,19 @@ def cmd_build_tiny(args) -> int:
 
     fn = build_tiny_sd3 if args.kind == "sd3" else build_tiny_flux
     print(fn(args.path, seed=args.seed))
+    return 0
+
+
+def cmd_ingest(args) -> int:
+    import torch
+
+    from omnirl_async.trainer.ingest import ingest_dataset
+
+    cfg = _load(args)
+    torch.set_num_threads(args.threads)
+    summary = ingest_dataset(args.dataset, args.run_dir, cfg, skip_invalid=args.skip_invalid, report=args.report,
+                             batch_size=args.batch_size, progress=not args.no_progress)
+    print(summary.text())
     return 0
 
 
@@ -186,6 +203,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(fn=cmd_build_tiny)
+    p = sub.add_parser("ingest", help="check a preference dataset and store it, VAE-encoded, in RUN_DIR/offline/")
+    p.add_argument("dataset", metavar="DATASET",
+                   help="a .jsonl or .parquet file of preference pairs, or a `datasets` folder (save_to_disk)")
+    p.add_argument("--run-dir", required=True, metavar="DIR",
+                   help="the run's folder (trainer.default_local_dir); the pairs go to DIR/offline/")
+    p.add_argument("--skip-invalid", action="store_true",
+                   help="ingest the good rows and list the bad ones in the report (default: refuse the dataset)")
+    p.add_argument("--report", default=None,
+                   help="JSONL file for the bad rows (default DIR/offline/reports/ingest-<time>-<name>.jsonl)")
+    p.add_argument("--batch-size", type=int, default=16, help="images per VAE forward")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_ingest)
     p = sub.add_parser("export", help="write a checkpoint's LoRA in diffusers' format (load_lora_weights)")
     p.add_argument("ckpt", metavar="CKPT",
                    help="checkpoint step folder (global_step_N), its lora/ folder, or a PEFT adapter folder")
@@ -222,7 +253,12 @@ def _user_message(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # key=value overrides after an option (`ingest DATASET --run-dir DIR key=value`) land here
+        if getattr(args, "overrides", None) is None or not all("=" in e and not e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
     try:
         return args.fn(args)
     except Exception as err:

@@ -48,8 +48,9 @@ class DataConfig:
     shuffle: bool = opt(True, "Shuffle prompts each epoch.")
     seed: int = opt(1, "Seed of the prompt order.")
     offline_files: Any = opt(None, "Preference datasets (.jsonl, .parquet or `datasets` folders; "
-                             "docs/PREFERENCE_DATA.md) checked and ingested into `<trainer.default_local_dir>/offline/` "
-                             "at the start of `train`, as `omnirl-async ingest` does; null = none.",
+                             "docs/PREFERENCE_DATA.md) checked and ingested into "
+                             "`<trainer.default_local_dir>/offline/` at the start of `train`, as `omnirl-async ingest` "
+                             "does; null = none.",
                              no_effect=NoEffect("ingested data is only read with `buffer.offline_mix_ratio` > 0 or "
                                                 "`algorithm.sample_source` = offline, built next",
                                                 when=_offline_data_unread,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 from omnirl_async.data.prompts import load_train_prompts
+from omnirl_async.trainer.ingest import ingest_offline_files
 from omnirl_async.trainer.run_dir import prepare_run_dir
 
 __all__ = ["TaskRunner", "init_ray"]
@@ -59,6 +60,7 @@ class TaskRunner:
         check_inputs(self.config)  # raises InputError before anything starts
         # a resume must fit the saved config; then resolved_config.yaml goes beside the checkpoints and logs
         prepare_run_dir(self.config, printer=self.printer)
+        ingest_offline_files(self.config, printer=self.printer)  # data.offline_files -> <run dir>/offline/
         prompts = load_train_prompts(self.config.data)
 
         import ray
