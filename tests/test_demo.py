@@ -3,6 +3,7 @@
 import os
 import time
 
+import pytest
 from torch.utils.tensorboard import SummaryWriter
 
 from omnirl_async.demo import _reward_curve
@@ -35,6 +36,7 @@ def test_reward_curve_of_a_missing_or_empty_folder_is_empty(tmp_path):
     assert _reward_curve(str(tmp_path)) == []
 
 
+@pytest.mark.slow  # the demo's own smoke run (a few steps with Ray)
 def test_demo_runs_a_few_separate_async_steps_and_prints_its_summary(tmp_path, capsys):
     """Smoke test of `make demo`'s entry point: the real run, cut to 2 steps, with its summary."""
     import ray

@@ -40,6 +40,7 @@ def test_nice_out_of_range_is_refused_with_the_key(value):
         load_config([f"actor_rollout_ref.rollout.nice={value}"])
 
 
+@pytest.mark.slow  # starts its own Ray; the thread-niceness test above is the fast one
 def test_init_ray_starts_workers_at_nice_0_so_rollout_workers_sit_nice_levels_below(small_overrides):
     import os
 

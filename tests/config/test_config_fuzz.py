@@ -190,7 +190,12 @@ def test_the_cases_cover_every_kind_and_are_reproducible():
     load_config([])  # the base config itself is valid, so every failure below is the override's
 
 
-@pytest.mark.parametrize("kind, override, key", CASES, ids=[f"{i:03d}-{c[0]}" for i, c in enumerate(CASES)])
+N_FAST = 60  # the first cases run in `make test`, all of them in the slow set
+
+
+@pytest.mark.parametrize("kind, override, key", [pytest.param(*c, marks=[pytest.mark.slow] if i >= N_FAST else [])
+                                                 for i, c in enumerate(CASES)],
+                         ids=[f"{i:03d}-{c[0]}" for i, c in enumerate(CASES)])
 def test_invalid_override_raises_config_error_naming_the_key(kind, override, key):
     try:
         load_config([override])

@@ -29,6 +29,7 @@ def batch(small_overrides):
     return fields, [m.tags.group_uid for m in metas]
 
 
+@pytest.mark.slow  # two gloo learners on Ray; the timeout and death tests below stay in `make test`
 def test_two_gloo_learners_match_one(ray_cluster, small_overrides, batch):
     fields, gids = batch
     results = {}
@@ -157,6 +158,7 @@ def two_learners(ray_cluster, small_overrides):
     group.stop()
 
 
+@pytest.mark.slow  # two gloo learners on Ray; the timeout and death tests below stay in `make test`
 def test_two_learners_skip_the_same_nonfinite_step(two_learners, batch):
     fields, gids = batch
     before = two_learners._all("get_weights")
@@ -177,6 +179,7 @@ def test_two_learners_skip_the_same_nonfinite_step(two_learners, batch):
         np.testing.assert_array_equal(w0[k], w1[k], err_msg=k)
 
 
+@pytest.mark.slow  # two gloo learners on Ray; the timeout and death tests below stay in `make test`
 def test_a_killed_learner_is_one_clear_error(two_learners, batch):
     """Runs last on the shared group: rank 1 dies, `update` names it at once though rank 0 waits in gloo."""
     fields, gids = batch

@@ -47,6 +47,7 @@ def test_pool_scores_equal_inline_scores_and_rotate_over_actors(ray_cluster):
             ray.kill(a)
 
 
+@pytest.mark.slow  # a failure path of the pool; the pool itself is covered fast above
 def test_dead_actor_is_skipped_and_no_actor_left_fails_the_group_with_a_reason(ray_cluster):
     import ray
 
@@ -63,6 +64,7 @@ def test_dead_actor_is_skipped_and_no_actor_left_fails_the_group_with_a_reason(r
     assert "no reward worker left" in res.reasons[0] and "died" in res.reasons[0]
 
 
+@pytest.mark.slow  # a failure path of the pool; the pool itself is covered fast above
 def test_slow_reward_times_out_into_failed_samples(ray_cluster, tmp_path):
     import ray
 
@@ -83,6 +85,7 @@ def test_slow_reward_times_out_into_failed_samples(ray_cluster, tmp_path):
         ray.kill(actors[0])
 
 
+@pytest.mark.slow  # a failure path of the pool; the pool itself is covered fast above
 def test_bad_reward_config_fails_when_the_pool_starts(ray_cluster, tmp_path):
     cfg = _reward_cfg("reward.num_workers=1", "reward.num_cpus_per_worker=0.5",
                       f"reward.custom_reward_function.path={tmp_path / 'missing.py'}",

@@ -30,7 +30,8 @@ def _fit(cfg, **kw):
     return trainer, summary
 
 
-@pytest.mark.parametrize("threshold", [pytest.param(0, marks=pytest.mark.slow), 1])
+@pytest.mark.slow  # a full training run; tests/trainer/test_one_loop.py covers both modes in `make test`
+@pytest.mark.parametrize("threshold", [0, 1])
 def test_wait_keeps_every_lag_within_the_threshold_and_drops_nothing(ray_cluster, small_overrides, tmp_path,
                                                                      threshold):
     cfg = _cfg(small_overrides, tmp_path, "trainer.total_training_steps=6",
@@ -47,6 +48,7 @@ def test_wait_keeps_every_lag_within_the_threshold_and_drops_nothing(ray_cluster
         assert set(lags) == {0}
 
 
+@pytest.mark.slow  # a full training run; tests/trainer/test_one_loop.py covers both modes in `make test`
 def test_drop_evicts_stale_groups_and_counts_them(ray_cluster, small_overrides, tmp_path):
     cfg = _cfg(small_overrides, tmp_path, "trainer.total_training_steps=5",
                "trainer.v1.sampler.max_off_policy_threshold=0", "trainer.v1.sampler.max_off_policy_strategy=drop",

@@ -45,6 +45,7 @@ def _trained_prompts(tmp_path: Path) -> Counter:
     return Counter(g[1] for rec in steps.values() for g in rec["groups"])
 
 
+@pytest.mark.slow  # a full training run; tests/trainer/test_one_loop.py covers both modes in `make test`
 @pytest.mark.parametrize("mode", MODES)
 def test_failed_rewards_and_a_ragged_epoch_never_stall_training(ray_cluster, small_overrides, tmp_path, mode):
     """9 prompts, batch 2, a reward failing every third call: the job ends, nothing trained twice or lost."""

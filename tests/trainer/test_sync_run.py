@@ -30,6 +30,7 @@ def base_overrides(small_overrides):
                               "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.rollout.seed=7"]
 
 
+@pytest.mark.slow  # a full training run; tests/trainer/test_one_loop.py covers both modes in `make test`
 def test_sync_run_trains_logs_checkpoints_and_resumes_exactly(ray_cluster, base_overrides, tmp_path):
     printed: list[str] = []
     a = tmp_path / "a"
