@@ -33,6 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
 
+from omnirl_async.models.heldout import bootstrap_gain, per_prompt_strict  # noqa: E402
+from omnirl_async.models.heldout import overall_accuracy as overall  # noqa: E402
+
 #: Policy-gradient settings of RL_DEFAULTS that a direct-preference run must not carry (they are refused there).
 _PG_ONLY = ("actor_rollout_ref.rollout.algo.sde_type", "actor_rollout_ref.rollout.algo.noise_level",
             "actor_rollout_ref.rollout.algo.sde_window", "algorithm.rollout_correction")
@@ -61,38 +64,6 @@ ALGOS: dict[str, list[str]] = {
 def base_overrides(algo: str) -> list[str]:
     dp = any(o == "algorithm.trainer_type=direct_preference" for o in ALGOS[algo])
     return [o for o in RL_DEFAULTS if not (dp and o.split("=", 1)[0].startswith(_PG_ONLY))]
-
-
-def per_prompt_strict(res) -> tuple[list[str], np.ndarray]:
-    """Strict accuracy per prompt (mean over its images), prompts in first-seen order."""
-    strict = next(v for k, v in res.extra.items() if k.endswith("strict"))
-    order: dict[str, list[float]] = {}
-    for p, s in zip(res.prompts, strict):
-        order.setdefault(p, []).append(float(s > 0.5))
-    return list(order), np.array([np.mean(v) for v in order.values()])
-
-
-def overall(prompts: list[str], acc: np.ndarray) -> float:
-    from omnirl_async.data.prompts import prompt_category
-
-    cats: dict[str, list[float]] = {}
-    for p, a in zip(prompts, acc):
-        cats.setdefault(prompt_category(p), []).append(a)
-    return float(np.mean([np.mean(v) for v in cats.values()]))
-
-
-def bootstrap_gain(prompts: list[str], before: np.ndarray, after: np.ndarray, *, n: int = 2000,
-                   seed: int = 0) -> tuple[float, float, float]:
-    """Gain in overall strict accuracy (points) and its 95 % interval, resampling prompts (paired)."""
-    rng = np.random.default_rng(seed)
-    gain = 100 * (overall(prompts, after) - overall(prompts, before))
-    draws = []
-    for _ in range(n):
-        idx = rng.integers(0, len(prompts), len(prompts))
-        ps = [prompts[i] for i in idx]
-        draws.append(100 * (overall(ps, after[idx]) - overall(ps, before[idx])))
-    lo, hi = np.percentile(draws, [2.5, 97.5])
-    return gain, float(lo), float(hi)
 
 
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:

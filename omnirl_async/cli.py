@@ -1,6 +1,12 @@
 """``omnirl-async`` command line.
 
     omnirl-async train [--config-name NAME] [--config-dir DIR] key=value ...
+    omnirl-async train -m key=a,b,c [key2=x,y] [key=value ...]
+                                                 a sweep: one run per combination, one after another, each in
+                                                 <trainer.default_local_dir>/sweep/key=a (logs likewise)
+    omnirl-async report RUN_DIR... [--out PNG]   compare runs (a sweep folder stands for its runs): a table of
+                                                 samples/s, learner idle, reward, held-out accuracy, staleness;
+                                                 a PNG of reward vs wall-clock and samples, staleness histograms
     omnirl-async eval [--lora DIR] [--out DIR] [key=value ...]
                                                  score the held-out prompts, save an image grid
     omnirl-async eval --run RUN_DIR [key=value ...]
@@ -12,6 +18,9 @@
                                                  check a preference dataset (docs/PREFERENCE_DATA.md) and
                                                  store it VAE-encoded in DIR/offline/ for the model the
                                                  config names
+    omnirl-async buffer inspect DIR              size per table and source, online versions and staleness,
+                                                 a few offline pairs: of a run dir's newest checkpoint, a
+                                                 checkpoint, or an offline store alone
     omnirl-async export CKPT --out DIR [--base MODEL] [--check]
                                                  write a checkpoint's LoRA as a diffusers LoRA
                                                  (pytorch_lora_weights.safetensors) loadable with
@@ -52,6 +61,11 @@ def cmd_train(args) -> int:
 
     from omnirl_async.trainer.task_runner import TaskRunner
 
+    if args.multirun:  # omnirl_async/trainer/sweep.py: the cartesian product of the comma lists
+        from omnirl_async.trainer.sweep import sweep
+
+        return sweep(args.overrides, config_name=args.config_name, config_dir=args.config_dir, printer=tqdm.write,
+                     user_errors=user_error_types())
     cfg = _load(args)
     summary = TaskRunner(cfg, printer=tqdm.write).run()
     print(f"finished at step {summary['global_step']} (policy version {summary['version']})")
@@ -128,7 +142,14 @@ def cmd_eval(args) -> int:
 def cmd_config(args) -> int:
     from omnirl_async.config.loader import to_yaml
 
-    print(to_yaml(_load(args), show_presets=True))
+    cfg = _load(args)
+    if args.doc:
+        from omnirl_async.config.doc import annotated
+        from omnirl_async.config.presets import applied_presets, describe
+
+        print(describe(applied_presets(cfg)) + annotated(cfg), end="")
+    else:
+        print(to_yaml(cfg, show_presets=True))
     return 0
 
 
@@ -175,10 +196,73 @@ def cmd_export(args) -> int:
     return 0
 
 
+# One example per subcommand, shown by ``omnirl-async --help`` and in each subcommand's own help.
+EXAMPLES = {
+    "train": "omnirl-async train trainer.v1.trainer_mode=separate_async trainer.total_time_minutes=5",
+    "eval": "omnirl-async eval --run checkpoints/omnirl_async/tiny_flow_grpo",
+    "config": "omnirl-async config --doc actor_rollout_ref.model.algorithm=grpo_guard",
+    "build-tiny": "omnirl-async build-tiny sd3 /tmp/tiny-sd3",
+    "ingest": "omnirl-async ingest docs/examples/preference_data/data.jsonl "
+              "--run-dir checkpoints/omnirl_async/tiny_flow_grpo",
+    "export": "omnirl-async export checkpoints/omnirl_async/tiny_flow_grpo/global_step_20 --out my_lora --check",
+    "buffer": "omnirl-async buffer inspect checkpoints/omnirl_async/tiny_flow_grpo",
+    "serve-reward": "omnirl-async serve-reward --port 8000 reward.reward_fn_name=tiny_geneval",
+    "report": "omnirl-async report checkpoints/omnirl_async/tiny_flow_grpo/sweep/*",
+}
+
+
+def _with_examples(parser: argparse.ArgumentParser, sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """List every subcommand with its help line and example under ``--help``; each subcommand shows its own."""
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    lines = ["commands (one example each; `omnirl-async COMMAND --help` for the options):"]
+    for name, sp in sub.choices.items():
+        example = EXAMPLES.get(name)
+        if example is None:  # caught by tests/test_cli_help.py
+            raise RuntimeError(f"subcommand {name!r} has no example in omnirl_async.cli.EXAMPLES")
+        lines += [f"  {name:<13} {helps.get(name, '')}", f"  {'':<13}   $ {example}"]
+        sp.epilog = f"example:\n  $ {example}"
+        sp.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.epilog = "\n".join(lines)
+    return parser
+
+
+def cmd_serve_reward(args) -> int:
+    """``serve-reward``: one function (``--reward``, ``--path``) or the ``reward.*`` config the overrides select."""
+    from omnirl_async.preflight import InputError
+    from omnirl_async.rewards.server import ManagerReward, reward_from_args, serve
+
+    overrides = list(args.overrides)
+    if overrides and (args.reward or args.path or args.kwargs):
+        raise InputError("serve-reward: give either --reward/--path/--kwargs (one function) or reward.* overrides "
+                         f"(the config's reward), not both; got {' '.join(overrides)}")
+    if args.reward or args.path:
+        reward = reward_from_args(args)
+    else:
+        from omnirl_async.rewards import RewardManager
+
+        bad = [o for o in overrides if not o.lstrip("+~").startswith("reward.")]
+        if bad:
+            raise InputError(f"serve-reward: only reward.* keys configure the served reward; got {' '.join(bad)}")
+        reward = ManagerReward(RewardManager.from_config(_load(args).reward))
+    try:
+        return serve(reward, args, prog="omnirl-async serve-reward")
+    except (ValueError, KeyError, OSError) as err:  # a bad option, an unknown reward name, a port in use
+        if isinstance(err, InputError):
+            raise
+        raise InputError(f"serve-reward: {err.args[0] if isinstance(err, KeyError) else err}") from err
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="omnirl-async", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="omnirl-async", usage="%(prog)s [-h] COMMAND [options] [key=value ...]",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="Asynchronous RL fine-tuning of flow-matching diffusion models "
+                                                 "(VeRL-Omni's config keys, Hydra overrides).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
     p = sub.add_parser("train", help="run a training job")
+    p.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep: overrides with comma lists (key=0,1,2) run every combination, one after another, "
+                        "each in <trainer.default_local_dir>/sweep/<key=value> (logs likewise); compare them with "
+                        "`omnirl-async report`")
     _add_config_args(p)
     p.set_defaults(fn=cmd_train)
     p = sub.add_parser("eval", help="score held-out prompts with the base model, a LoRA checkpoint or a run")
@@ -196,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     p.set_defaults(fn=cmd_eval)
     p = sub.add_parser("config", help="print the resolved config")
+    p.add_argument("--doc", action="store_true",
+                   help="one line per key: its value and its help text (docs/CONFIG_KEYS.md has the per-mode table)")
     _add_config_args(p)
     p.set_defaults(fn=cmd_config)
     p = sub.add_parser("build-tiny", help="build a tiny random-weight diffusers pipeline")
@@ -217,6 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_config_args(p)
     p.set_defaults(fn=cmd_ingest)
+    p = sub.add_parser("buffer", help="look into a run's replay buffer")
+    bsub = p.add_subparsers(dest="buffer_command", required=True)
+    q = bsub.add_parser("inspect", help="tables, versions, staleness and offline pairs of a run dir or checkpoint")
+    q.add_argument("dir", metavar="DIR", help="a run dir (trainer.default_local_dir), a global_step_N checkpoint, "
+                                             "or a buffer snapshot folder")
+    q.add_argument("--rows", type=int, default=5, help="offline pairs to list")
+    q.set_defaults(fn=cmd_buffer_inspect)
     p = sub.add_parser("export", help="write a checkpoint's LoRA in diffusers' format (load_lora_weights)")
     p.add_argument("ckpt", metavar="CKPT",
                    help="checkpoint step folder (global_step_N), its lora/ folder, or a PEFT adapter folder")
@@ -226,7 +319,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", action="store_true",
                    help="load --base with plain diffusers plus the export and check LoRA layers were attached")
     p.set_defaults(fn=cmd_export)
-    return parser
+    p = sub.add_parser("serve-reward",
+                       help="host a reward (or the reward.* config) as an HTTP service: batching, /health, bearer token")
+    from omnirl_async.rewards.server import add_serve_arguments  # the options live beside the server
+
+    add_serve_arguments(p)
+    _add_config_args(p)
+    p.set_defaults(fn=cmd_serve_reward)
+    p = sub.add_parser("report", help="compare runs (a sweep): table of throughput, reward, accuracy, staleness; PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run folders (trainer.default_local_dir or the log folder; each holds resolved_config.yaml), "
+                        "or a sweep folder <dir>/sweep standing for the runs in it")
+    p.add_argument("--out", default=None, metavar="PNG",
+                   help="where to save the plot (default: report.png in the runs' common folder, else here)")
+    p.set_defaults(fn=cmd_report)
+    return _with_examples(parser, sub)
+
+
+def cmd_report(args) -> int:
+    from omnirl_async.metrics.report import report
+
+    report(args.runs, png=args.out)
+    return 0
+
+
+def cmd_buffer_inspect(args) -> int:
+    from omnirl_async.trainer.buffer_inspect import inspect_buffer
+
+    print(inspect_buffer(args.dir, rows=args.rows))
+    return 0
 
 
 def user_error_types() -> tuple[type[BaseException], ...]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import time
 import uuid
+from typing import Any
 
 import msgspec
 
@@ -68,6 +69,7 @@ class SampleTags(msgspec.Struct, kw_only=True):
     prompt: str = ""
     epoch: int = 0
     ticket: int = -1  # position in the learner's training order (admission control); -1 = none
+    max_lag: int | None = None  # the staleness bound its prompt was admitted under; None = the buffer's threshold
 
 
 class SampleMeta(msgspec.Struct, kw_only=True):
@@ -98,6 +100,8 @@ class PromptLease(msgspec.Struct, kw_only=True):
     global_step: int = 0
     negative_prompt: str | None = None
     ticket: int = -1  # global training order of this prompt group (see actors/staleness.py)
+    max_lag: int | None = None  # the staleness threshold it was admitted under (its samples keep it); None = none
+    fields: dict[str, Any] | None = None  # the other fields of the prompt's dataset row, for the reward; None = none
 
 
 class WeightsInfo(msgspec.Struct, kw_only=True):

@@ -13,6 +13,17 @@ start ticket ``k`` only if ``k < (T + v + 1) * P * B``: then every lag is
 within ``T`` by construction, however slow the worker. Under ``drop`` no
 ticket is refused and the buffer evicts what went stale.
 
+A threshold that changes during the run (``max_off_policy_threshold: auto``)
+keeps the bound exact per sample: admission applies the value current when a
+ticket is leased, the lease and its samples carry it (``max_lag``), and every
+later check of a sample (the buffer's eviction) uses the bound it carries, not
+the value of the moment. Lowering the threshold therefore never strands a
+sample admitted under the old one, and raising it never loosens a sample's
+bound after the fact: rule (1) holds lease by lease, so every trained sample
+keeps ``lag <= max_lag``. (Why not re-check every sample against the current
+value? Under ``wait`` a lowered value would evict groups that admission
+promised a slot to, and the learner would wait on tickets that never land.)
+
 Used by admission control (:mod:`omnirl_async.actors.staleness`), the
 buffer's eviction (:mod:`omnirl_async.buffer.staleness`) and the trainer's
 wait for a batch (:mod:`omnirl_async.trainer.separate_async`).
@@ -20,8 +31,8 @@ wait for a batch (:mod:`omnirl_async.trainer.separate_async`).
 
 from __future__ import annotations
 
-__all__ = ["lag", "is_stale", "oldest_trainable_version", "ticket_limit", "trained_version", "update_tickets",
-           "startup_batches"]
+__all__ = ["lag", "is_stale", "oldest_trainable_version", "last_trainable_version", "sample_bound", "ticket_limit",
+           "trained_version", "update_tickets", "startup_batches"]
 
 
 def lag(policy_version: int | None, learner_version: int) -> int:
@@ -37,6 +48,16 @@ def is_stale(policy_version: int | None, learner_version: int, threshold: int | 
 def oldest_trainable_version(learner_version: int, threshold: int | None) -> int | None:
     """The smallest policy version still trainable at ``learner_version`` (None = no bound)."""
     return None if threshold is None else learner_version - threshold
+
+
+def sample_bound(admitted: int | None, threshold: int | None) -> int | None:
+    """The bound a sample is held to: the threshold it was admitted under (``max_lag``), else ``threshold``."""
+    return threshold if admitted is None else admitted
+
+
+def last_trainable_version(policy_version: int | None, bound: int | None) -> int | None:
+    """The newest learner version that may train a sample of ``policy_version`` held to ``bound`` (None = any)."""
+    return None if policy_version is None or bound is None else policy_version + bound
 
 
 def ticket_limit(worker_version: int, *, threshold: int, updates_per_version: int, batch_groups: int) -> int:

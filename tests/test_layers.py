@@ -46,6 +46,7 @@ LAYERS: dict[str, int] = {
     "preflight": 1,
     "staleness": 1,
     "userfiles": 1,
+    "placement": 1,
     # the package itself (``omnirl_async/__init__.py``)
     "": 0,
 }

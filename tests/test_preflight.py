@@ -68,8 +68,9 @@ def case_prompts_empty_directory(tmp):
     d = tmp / "nothing_here"
     d.mkdir()
     return [f"data.train_files='{d}'"], (
-        f"`data.train_files`: {d} is a directory, not a prompt file, and holds no .jsonl or .txt file; name a "
-        "prompt file (.jsonl or .txt) instead.")
+        f"`data.train_files`: {d} is a directory, not a prompt file, and holds no .jsonl, .parquet or .txt file "
+        "nor a `datasets` folder's state.json; name a prompt file (.jsonl, .parquet or .txt) or a folder written by "
+        "`Dataset.save_to_disk` instead.")
 
 
 def case_prompts_not_utf8(tmp):
@@ -101,16 +102,17 @@ def case_prompts_bad_json(tmp):
 def case_prompts_missing_key(tmp):
     p = _write(tmp / "text.jsonl", '{"prompt": "a red circle"}\n\n{"text": "a blue square"}\n')
     return [f"data.train_files='{p}'"], (
-        f"`data.train_files`: {p}:3: row has no string \"prompt\" field (got '{{\"text\": \"a blue square\"}}'); each "
-        'line must look like {"prompt": "two red circles"}, or set `data.prompt_key` to the field that holds the '
-        "prompt.")
+        f"`data.train_files`: {p}:3: row has no string \"prompt\" field (got '{{\"text\": \"a blue square\"}}'; its "
+        'fields: text); each line must look like {"prompt": "two red circles"}, or set `data.prompt_key=text` if '
+        '"text" holds the prompt.')
 
 
 def case_prompts_bad_extension(tmp):
     p = _write(tmp / "prompts.csv", "prompt\na red circle\n")
     return [f"data.train_files='{p}'"], (
         f"`data.train_files`: {p} has the extension '.csv', which is not a prompt file format; use .jsonl (one "
-        'object such as {"prompt": "two red circles"} per line) or .txt (one prompt per line).')
+        'object such as {"prompt": "two red circles"} per line), .parquet (a `prompt` column), .txt (one prompt per '
+        "line) or a folder written by `Dataset.save_to_disk`.")
 
 
 def case_val_prompts_missing(tmp):

@@ -11,6 +11,14 @@ order; with an :class:`~omnirl_async.actors.staleness.AdmissionController` the
 dispatcher hands a ticket only to a worker whose policy version keeps the
 staleness bound (``wait`` strategy). A released lease keeps its ticket and
 group uid, so its samples keep their place when they are generated again.
+Every lease handed out carries the threshold it was admitted under
+(``max_lag``; a released lease is admitted, and stamped, again), so a threshold
+changed mid-run (:meth:`set_threshold`) applies to the next lease at once while
+the samples of earlier leases keep their own bound.
+
+A lease also carries the other fields of its prompt's dataset row (``fields``:
+ground truth, metadata; :class:`~omnirl_async.data.prompts.PromptSet`), so the
+worker that scores it hands them to the reward in both modes.
 
 A completed lease is remembered until the trainer says its group was
 trained (:meth:`mark_trained`) or settled (:meth:`settle_below`: trained,
@@ -49,9 +57,13 @@ class PromptDispatcher(LockedState):
     def __init__(self, prompts: list[str], *, n: int, shuffle: bool = True, data_seed: int = 1,
                  rollout_seed: int | None = 42, total_epochs: int | None = None,
                  negative_prompt: str | None = None, admission: AdmissionController | None = None,
-                 batch_groups: int | None = None):
+                 batch_groups: int | None = None, fields: list[dict] | None = None):
         if not prompts:
             raise ValueError("`prompts` is empty: the prompt dataset has no rows; check `data.train_files`.")
+        fields = getattr(prompts, "fields", None) if fields is None else fields  # a PromptSet carries its rows
+        if fields is not None and len(fields) != len(prompts):
+            raise ValueError(f"`fields` has {len(fields)} rows for {len(prompts)} prompts")
+        self.fields = [f or None for f in fields] if fields is not None else None
         self.prompts = list(prompts)
         self.n, self.shuffle, self.data_seed = n, shuffle, data_seed
         self.rollout_seed, self.total_epochs = rollout_seed, total_epochs
@@ -77,6 +89,10 @@ class PromptDispatcher(LockedState):
         if self.shuffle:
             np.random.default_rng([self.data_seed, epoch]).shuffle(idx)
         return idx.tolist()
+
+    def _fields_of(self, index: int) -> dict | None:
+        """The other fields of prompt ``index``'s row (None without any, or for an unknown index)."""
+        return self.fields[index] if self.fields is not None and 0 <= index < len(self.fields) else None
 
     def _admits(self, ticket: int, worker_version: int | None) -> bool:
         if self.admission is None:
@@ -121,10 +137,11 @@ class PromptDispatcher(LockedState):
         with self._lock:
             if self._paused or self._stopped:
                 return out
+            bound = self.admission.bound() if self.admission is not None else None  # travels as max_lag
             while len(out) < num:
                 lease = self._take_returned(worker_version)
-                if lease is not None:  # same ticket, group uid and seed; a new lease id
-                    lease = PromptLease(**{**_fields(lease), "lease_id": new_uid()})
+                if lease is not None:  # same ticket, group uid and seed; a new lease id, admitted again now
+                    lease = PromptLease(**{**_fields(lease), "lease_id": new_uid(), "max_lag": bound})
                 else:
                     if not self._admits(self._next_ticket, worker_version):
                         break
@@ -142,7 +159,8 @@ class PromptDispatcher(LockedState):
                     seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1
                     lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
                                         epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=step,
-                                        negative_prompt=self.negative_prompt, ticket=self._next_ticket)
+                                        negative_prompt=self.negative_prompt, ticket=self._next_ticket,
+                                        max_lag=bound, fields=self._fields_of(i))
                     self._next_ticket += 1
                 self._outstanding[lease.lease_id] = (lease, worker_id)
                 out.append(lease)
@@ -194,10 +212,15 @@ class PromptDispatcher(LockedState):
         with self._lock:
             step = global_step if global_step is not None else self._next_ticket // (self.batch_groups or 1) + 1
             seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1 + 7919
-            index = self.prompts.index(prompt) if prompt in self.prompts else -1
+            orig = next((x for x in self._untrained.values() if x.group_uid == group_uid), None)
+            if orig is not None and orig.prompt == prompt:  # its own row, also when two rows share the prompt
+                index = orig.index
+            else:
+                index = self.prompts.index(prompt) if prompt in self.prompts else -1
             self._returned.append(PromptLease(lease_id=new_uid(), group_uid=group_uid, prompt=prompt,
                                               epoch=self.epoch if epoch is None else int(epoch), index=index, n=n, seed=seed, global_step=step,
-                                              negative_prompt=self.negative_prompt, ticket=self._next_ticket))
+                                              negative_prompt=self.negative_prompt, ticket=self._next_ticket,
+                                              fields=self._fields_of(index)))
             self._next_ticket += 1
 
     def release_worker(self, worker_id: str) -> int:
@@ -230,6 +253,17 @@ class PromptDispatcher(LockedState):
         """The learner finished ``updates_done`` updates (admission capacity grows)."""
         if self.admission is not None:
             self.admission.on_update(updates_done)
+
+    def set_threshold(self, threshold: int) -> None:
+        """Admit the next lease under ``threshold`` (``max_off_policy_threshold: auto``); needs admission control."""
+        if self.admission is None:
+            raise ValueError("`set_threshold` needs an AdmissionController (separate_async); sync trains on-policy")
+        with self._lock:  # never between a lease's admission and its max_lag stamp
+            self.admission.set_threshold(threshold)
+
+    def threshold(self) -> int | None:
+        """The threshold the next lease is admitted under (None without admission control)."""
+        return self.admission.bound() if self.admission is not None else None
 
     def pause(self, paused: bool = True) -> None:
         with self._lock:

@@ -68,14 +68,14 @@ class InlineTimeout:
     def __init__(self, reward, timeout_s: float):
         self.reward, self.timeout_s = reward, timeout_s
 
-    def __call__(self, images, prompts):
+    def __call__(self, images, prompts, rows=None):
         from omnirl_async.rewards.worker_pool import failed_result
 
         box: dict[str, Any] = {}
 
         def run() -> None:
             try:
-                box["out"] = self.reward(images, prompts)
+                box["out"] = self.reward(images, prompts, rows)
             except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
                 box["err"] = e
 
@@ -208,7 +208,11 @@ class RolloutWorker:
         return self.version
 
     def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:
-        """Score ``prompts`` with ``rollout.val_kwargs`` and the weights this worker holds."""
+        """Score ``prompts`` with ``rollout.val_kwargs`` and the weights this worker holds.
+
+        A :class:`~omnirl_async.data.prompts.PromptSet` brings its rows' other
+        fields, which the reward receives as in training.
+        """
         from omnirl_async.models.evaluate import evaluate_policy, validation_settings
 
         res = evaluate_policy(self.policy, self.reward, prompts, self.rollout_cfg.val_kwargs, seed=seed,
@@ -287,7 +291,8 @@ class RolloutWorker:
         """Stage 2 (any thread): reward, then metadata tagged with the version that generated the group."""
         lease, fields, seeds = group["lease"], group["fields"], group["seeds"]
         t1 = time.perf_counter()
-        scored = self.reward(fields["images"], [lease.prompt] * lease.n)
+        rows = [lease.fields] * lease.n if lease.fields else None  # the prompt row's other fields, for the reward
+        scored = self.reward(fields["images"], [lease.prompt] * lease.n, rows)
         t_reward = time.perf_counter() - t1
         fields["rewards"] = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
         for name, arr in scored.extra.items():
@@ -297,7 +302,8 @@ class RolloutWorker:
             failed = bool(scored.failed[k])
             tags = SampleTags(uid=new_uid(), group_uid=lease.group_uid, sample_index=k, group_size=lease.n,
                               policy_version=group["version"], global_step=lease.global_step, seed=seeds[k],
-                              prompt=lease.prompt, epoch=lease.epoch, ticket=lease.ticket)
+                              prompt=lease.prompt, epoch=lease.epoch, ticket=lease.ticket,
+                              max_lag=lease.max_lag)
             metas.append(SampleMeta(key=tags.uid, tags=tags,
                                     status=SampleStatus.FAILURE if failed else SampleStatus.SUCCESS,
                                     reason=scored.reasons[k] if failed else None,

@@ -28,6 +28,15 @@ accepts by definition.
 With ``max_off_policy_strategy=drop`` there is no admission control: workers
 run ahead freely (bounded by the buffer's capacity), and the buffer evicts and
 counts samples whose lag exceeds the threshold when the learner samples.
+
+The threshold may change during the run (:meth:`AdmissionController.set_threshold`,
+``max_off_policy_threshold: auto``): the next lease is admitted under the new
+value at once, and every lease carries the value it was admitted under
+(:meth:`AdmissionController.bound`, ``PromptLease.max_lag``), which its samples
+keep (see :mod:`omnirl_async.staleness`). (1) holds for each lease with its own
+``threshold``, so every lag stays within the bound of its own admission; raising
+the value admits more tickets at once, lowering it admits none until the
+workers' versions catch up, and the tickets already handed out keep their slots.
 """
 
 from __future__ import annotations
@@ -58,8 +67,7 @@ class AdmissionController(LockedState):
 
     def __init__(self, *, threshold: int, batch_groups: int, updates_per_version: int = 1,
                  strategy: str = "wait", max_ahead_batches: int | None = None):
-        if threshold < 0:
-            raise ValueError(f"`max_off_policy_threshold` = {threshold}: must be >= 0.")
+        _check_threshold(threshold)
         if batch_groups <= 0:
             raise ValueError(f"`batch_groups` = {batch_groups}: must be > 0 (data.train_batch_size).")
         if updates_per_version <= 0:
@@ -84,6 +92,17 @@ class AdmissionController(LockedState):
         return rule.ticket_limit(worker_version, threshold=self.threshold,
                                  updates_per_version=self.updates_per_version, batch_groups=self.batch_groups)
 
+    def set_threshold(self, threshold: int) -> None:
+        """Admit under ``threshold`` from the next lease on; leases already handed out keep their bound."""
+        _check_threshold(threshold)
+        with self._lock:
+            self.threshold = int(threshold)
+
+    def bound(self) -> int:
+        """The threshold a lease admitted now is held to (it travels with the lease as ``max_lag``)."""
+        with self._lock:
+            return self.threshold
+
     def admits(self, ticket: int, worker_version: int) -> bool:
         with self._lock:
             return ticket < self.ticket_limit(worker_version)
@@ -100,7 +119,15 @@ class AdmissionController(LockedState):
             self.learner_updates = max(self.learner_updates, int(updates_done))
 
     def state_dict(self) -> dict:
-        return {"learner_updates": self.learner_updates}
+        """``learner_updates``, and the ``threshold`` of the moment (a resumed ``auto`` run starts from it)."""
+        return {"learner_updates": self.learner_updates, "threshold": self.threshold}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the update count; the threshold stays the configured one (the trainer restores an ``auto`` one)."""
         self.learner_updates = int(state["learner_updates"])
+
+
+def _check_threshold(threshold) -> None:
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"`trainer.v1.sampler.max_off_policy_threshold` = {threshold!r}: admission needs an integer "
+                         ">= 0 (0 = on-policy).")

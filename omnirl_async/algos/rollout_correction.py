@@ -65,8 +65,11 @@ bypass (``bypass_mode = true``)
 Metrics (``rollout_corr/``): ``kl`` (mean of behaviour - old), ``k3_kl``,
 ``logprob_abs_diff_mean``, ``logprob_abs_diff_max``, ``is_weight_mean``,
 ``is_weight_max`` (IS weights after truncation/normalisation, before RS),
-``rs_reject_frac`` (fraction of valid steps rejected) and one
-``rs_<criterion>_reject_frac`` per criterion. The names are the same in both
+``rs_reject_frac`` (fraction of valid steps rejected), one
+``rs_<criterion>_reject_frac`` per criterion, and ``ess``: the effective sample
+size of the raw per-step ratios ``r`` (before truncation, whatever ``rollout_is``
+says) as a fraction of the valid steps, ``(sum r)^2 / (n sum r^2)`` in (0, 1],
+1 when on-policy (``max_off_policy_threshold: auto`` reads it with ``kl``). The names are the same in both
 modes; in bypass mode "old" is the current policy and each value is one trained
 step of one micro-batch, averaged by the learner like the ``actor/*`` metrics
 (so the ``*_max`` metrics are means of per-step maxima).
@@ -205,6 +208,12 @@ def _masked_mean(x: torch.Tensor, m: torch.Tensor, dim=None) -> torch.Tensor:
     if dim is None:
         return (x * m).sum() / m.sum().clamp(min=1.0)
     return (x * m).sum(dim) / m.sum(dim).clamp(min=1.0)
+
+
+def _ess_fraction(r: torch.Tensor, m: torch.Tensor) -> float:
+    """Effective sample size of the weights ``r`` (zero off the mask) over the valid steps, as a fraction of them."""
+    sq = float((r * r).sum())
+    return float(r.sum()) ** 2 / (float(m.sum()) * sq) if sq > 0 else 0.0
 
 
 def _rs_keep(criterion: str, bounds, lr_safe, valid, m) -> torch.Tensor:
@@ -374,5 +383,6 @@ def _correction(old_log_prob, behaviour_log_prob, mask, config) -> tuple[Rollout
         "rollout_corr/is_weight_mean": float(_masked_mean(is_w, m)),
         "rollout_corr/is_weight_max": float(is_w.masked_fill(~valid, -torch.inf).max()),
         "rollout_corr/rs_reject_frac": float(_masked_mean(1.0 - rs_mask, m)),
+        "rollout_corr/ess": _ess_fraction(torch.exp(lr_safe) * m, m),
     })
     return RolloutCorrectionResult(weights, rs_mask, metrics, is_w), is_keep

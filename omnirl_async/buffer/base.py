@@ -94,7 +94,9 @@ class ReplayBuffer(ABC):
         Exactly ``batch_size`` when groups are full and ``batch_size`` is a
         multiple of the group size; otherwise the last group may overshoot.
         ``source`` restricts sampling to one table; by default the batch mixes
-        the tables by ``buffer.offline_mix_ratio``. Stale groups (lag above
+        the tables by ``buffer.offline_mix_ratio`` (``round(batch_size * ratio)``
+        offline samples; the trainers draw the online batch with
+        ``source="online"`` and add :meth:`sample_offline`). Stale groups (lag above
         ``max_off_policy_threshold``) are never returned; they are evicted and
         counted in ``buffer/dropped_stale``.
         """
@@ -109,16 +111,38 @@ class ReplayBuffer(ABC):
         """
 
     @abstractmethod
+    def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
+        """The offline share to go with an online batch of ``num_online`` samples; never blocks.
+
+        Whole pairs from the offline table, so that offline rows make up
+        ``buffer.offline_mix_ratio`` of every row drawn (the rounding carries
+        over from call to call; ``buffer/offline_frac`` reports the share so
+        far). Empty when the ratio is 0 or ``num_online`` is 0; ``ValueError``
+        when the ratio is 1 (use ``sample(..., source="offline")``) or the
+        offline table is empty.
+        """
+
+    @abstractmethod
+    def load_offline(self, run_dir: str) -> dict[str, Any]:
+        """Fill the offline table from ``<run_dir>/offline/`` (pairs not in it yet); see :mod:`.offline_table`.
+
+        Returns ``{"added", "pairs", "dir", "content_hash"}``. Offline rows stay when drawn,
+        are never evicted, and are snapshotted by reference to the store.
+        """
+
+    @abstractmethod
     def size(self) -> int:
         """Samples stored (successful members of complete and incomplete groups)."""
 
     @abstractmethod
     def num_ready_samples(self, learner_version: int | None = None) -> int:
-        """Samples in complete, non-stale groups (what a sample call could take now)."""
+        """Online samples in complete, non-stale groups (what an online sample call could take now).
+
+        The offline table is a fixed pool, always there to draw from (``buffer/offline_size``)."""
 
     @abstractmethod
     def ready_groups(self, learner_version: int | None = None) -> int:
-        """Number of complete, non-stale groups."""
+        """Number of complete, non-stale online groups."""
 
     @abstractmethod
     def take_refill_requests(self) -> list[RefillRequest]:

@@ -14,6 +14,14 @@ Capacity, in order of checks on a put:
 When a put does not fit, groups the remover marks evictable (already sampled,
 kept for reuse) are evicted oldest first; if that is not enough, the producer
 waits – data never sampled is never dropped to make room.
+
+The offline table is a fixed pool of preference pairs (filled from the run's
+offline store, :mod:`.offline_table`): its groups stay when drawn and are
+never evicted, it draws shuffled passes (:mod:`.samplers.passes`), and it is
+outside the rate limiter, the staleness accounting and ``ready`` (which count
+the online rollouts). :meth:`BufferCore.sample_offline` draws the offline
+share that goes with an online batch, ``buffer.offline_mix_ratio`` of all
+rows drawn, carrying the rounding over from call to call.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import numpy as np
 from omnirl_async.buffer.metrics import BufferMetrics
 from omnirl_async.buffer.rate_limiters import MinSize, RateLimiter, SampleToInsertRatio
 from omnirl_async.buffer.removers import MaxTimesSampled, make_remover
-from omnirl_async.buffer.samplers import make_sampler
+from omnirl_async.buffer.samplers import ShuffledPassSampler, make_sampler
 from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec, RateSpec
 from omnirl_async.buffer.staleness import StalenessPolicy
@@ -56,12 +64,20 @@ class BufferCore:
         self.metrics = BufferMetrics()
         self.tables: dict[str, Table] = {}
         for src in SampleSource:
-            sampler = make_sampler(t.sampler, custom_path=t.custom_sampler_path, custom_name=t.custom_sampler_name,
-                                   defaults=t.sampler_defaults(), kwargs=t.sampler_kwargs)
+            offline = src is SampleSource.OFFLINE
+            sampler = ShuffledPassSampler(seed) if offline else make_sampler(
+                t.sampler, custom_path=t.custom_sampler_path, custom_name=t.custom_sampler_name,
+                defaults=t.sampler_defaults(), kwargs=t.sampler_kwargs)
             self.tables[src.value] = Table(
                 src, sampler=sampler, remover=make_remover(t.remover), max_times=self.max_times,
                 max_size=t.max_size, staleness=self.staleness, limiter=self.limiter, metrics=self.metrics,
-                drop_incomplete_groups=bool(t.drop_incomplete_groups), max_refill_rounds=int(t.max_refill_rounds))
+                drop_incomplete_groups=bool(t.drop_incomplete_groups), max_refill_rounds=int(t.max_refill_rounds),
+                keep_drawn=offline)
+        #: offline groups filled from an offline store: group uid -> the pair's position in the store
+        #: (snapshots refer to these rows instead of copying them; see :mod:`.offline_table`)
+        self.store_rows: dict[str, int] = {}
+        #: the offline store they come from: {"dir": ..., "content_hash": ...} (None: not filled from one)
+        self.offline_store: dict[str, str] | None = None
         self.rng = np.random.default_rng(seed)
         self.cond = threading.Condition()
         self.learner_version: int | None = None
@@ -122,6 +138,7 @@ class BufferCore:
             raise ValueError(f"put rejected (first key `{metas[0].key}`): one put holds samples of one source, "
                              f"got {sorted(s.value for s in sources)}")
         table = self.tables[SampleSource(sources.pop()).value]
+        pool = table.keep_drawn  # the offline pool: outside the rate limiter and the insert counters
         n = sum(1 for m in metas if m.status is SampleStatus.SUCCESS)
         nbytes = n * row_nbytes
         deadline = self._deadline(timeout)
@@ -130,14 +147,15 @@ class BufferCore:
                     self.total_storage_size is None and nbytes > self.memory_budget_bytes):
                 raise ValueError(f"put rejected (first key `{metas[0].key}`): {n} samples / {nbytes} bytes can "
                                  f"never fit: {self._capacity_text(table)}; put smaller batches or raise the bound")
-            if self.limiter.observe(insert_size=n):
+            if not pool and self.limiter.observe(insert_size=n):
                 self.cond.notify_all()
             while True:
                 table.validate(metas, spec, self._exists)  # again after every wait: keys may have arrived
-                if n == 0 or (self._make_room(table, n, nbytes) and self.limiter.can_insert(n)):
+                if n == 0 or (self._make_room(table, n, nbytes) and (pool or self.limiter.can_insert(n))):
                     table.insert(metas, payload, row_nbytes, self.learner_version)
-                    self.limiter.on_insert(n)
-                    self.metrics.on_insert(n)
+                    if not pool:
+                        self.limiter.on_insert(n)
+                        self.metrics.on_insert(n)
                     self.cond.notify_all()
                     return n
                 remaining = deadline - time.monotonic()
@@ -164,17 +182,21 @@ class BufferCore:
             raise ValueError(f"`learner_version` = {learner_version!r}: must be an integer")
         batch_size, learner_version = int(batch_size), int(learner_version)
         plan = self._plan(batch_size, source)
+        limited = sum(m for t, m in plan if not t.keep_drawn)  # the rate limiter paces the online rollouts only
+        offline = self.tables[SampleSource.OFFLINE.value]
+        if any(t is offline for t, _ in plan) and not offline.ready_samples:
+            raise ValueError(self._empty_offline_text())
         deadline = self._deadline(timeout)
         with self.cond:
-            if self.limiter.observe(sample_size=batch_size):
+            if limited and self.limiter.observe(sample_size=limited):
                 self.cond.notify_all()
             self.learner_version = max(learner_version, self.learner_version or learner_version)
             while True:
                 dropped = sum(t.evict_stale(learner_version) for t in self.tables.values())
                 if dropped:
                     self.cond.notify_all()
-                if all(t.ready_samples >= m for t, m in plan) and self.limiter.can_sample(batch_size,
-                                                                                          size=self.size):
+                if all(t.ready_samples >= m or t.keep_drawn for t, m in plan) and (
+                        not limited or self.limiter.can_sample(limited, size=self.size)):
                     return self._take(plan, learner_version)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -204,21 +226,72 @@ class BufferCore:
             online = self.tables["online"]
             return self._collect([online.sample_tickets(int(below))], int(learner_version))
 
+    def sample_offline(self, num_online: int, *, learner_version: int):
+        """The offline share that goes with an online batch of ``num_online`` samples (whole pairs; never blocks).
+
+        Over all calls the offline rows make up ``offline_mix_ratio`` of every row drawn:
+        after this call ``offline / (online + offline)`` is as close to the ratio as whole groups
+        allow (the rounding of one call is carried into the next, so the share is exact over a run
+        however small the batches). ``num_online`` = 0 (an empty step) draws nothing.
+        """
+        if not isinstance(num_online, (int, np.integer)) or num_online < 0:
+            raise ValueError(f"`num_online` = {num_online!r}: must be an integer >= 0")
+        r = self.offline_mix_ratio
+        if r >= 1.0:
+            raise ValueError("`buffer.offline_mix_ratio` = 1 leaves no room for online samples; draw from the "
+                             "offline table alone with sample(batch_size, source='offline') "
+                             "(`algorithm.sample_source=offline`)")
+        with self.cond:
+            if r <= 0.0 or num_online == 0:
+                return self._collect([], int(learner_version))
+            offline = self.tables[SampleSource.OFFLINE.value]
+            if not offline.ready_samples:
+                raise ValueError(self._empty_offline_text())
+            c = self.metrics.counters
+            c["mix_online"] += int(num_online)
+            want = r / (1.0 - r) * c["mix_online"] - c["mix_offline"]
+            m = int(np.floor(want + 0.5))
+            taken = [self._draw(offline, m, int(learner_version))] if m > 0 else []
+            c["mix_offline"] += sum(len(items) for groups in taken for _, items in groups)
+            return self._collect(taken, int(learner_version))
+
+    def _empty_offline_text(self) -> str:
+        return ("the offline table is empty: fill it from the run's offline store (`omnirl-async ingest DATASET "
+                "--run-dir RUN_DIR`, or `data.offline_files`) before drawing offline samples")
+
     def _take(self, plan: list[tuple[Table, int]], learner_version: int):
-        return self._collect([t.sample(m, learner_version, self.rng) for t, m in plan], learner_version)
+        return self._collect([self._draw(t, m, learner_version) for t, m in plan], learner_version)
+
+    def _draw(self, table: Table, m: int, learner_version: int) -> list:
+        """Whole groups holding >= ``m`` samples; the offline pool goes round again when ``m`` exceeds it."""
+        if not table.keep_drawn or m <= table.ready_samples:
+            return table.sample(m, learner_version, self.rng)
+        out: list = []
+        while m > 0:
+            part = table.sample(min(m, table.ready_samples), learner_version, self.rng)
+            m -= sum(len(items) for _, items in part)
+            out.extend(part)
+        return out
 
     def _collect(self, taken: list[list], learner_version: int):
         metas: list[SampleMeta] = []
         parts: list[tuple[Any, list[int]]] = []
-        lags: list[int] = []
+        lags: list[int] = []  # every row's lag (offline: 0), for `info`
+        online_lags: list[int] = []
         for groups in taken:
             for g, items in groups:
                 for it in items:
                     metas.append(it.meta)
-                    lags.append(self.staleness.lag(it.meta.tags.policy_version, learner_version))
+                    lag = self.staleness.lag(it.meta.tags.policy_version, learner_version)
+                    lags.append(lag)
+                    if it.meta.tags.source is SampleSource.ONLINE:
+                        online_lags.append(lag)
                     _append_part(parts, it)
-        self.limiter.on_sample(len(metas))
-        self.metrics.on_sample(lags)
+        n_offline = len(metas) - len(online_lags)
+        self.limiter.on_sample(len(online_lags))
+        self.metrics.on_sample(online_lags)  # offline rows have no policy version: never in the staleness counts
+        if n_offline:
+            self.metrics.on_offline_sample(n_offline)
         self.cond.notify_all()
         info = {"staleness": np.asarray(lags, dtype=np.int64),
                 "times_sampled": np.asarray([m.times_sampled for m in metas], dtype=np.int64)}
@@ -226,10 +299,11 @@ class BufferCore:
 
     # -------------------------------------------------------------------- query
     def ready(self, learner_version: int | None) -> tuple[int, int]:
+        """(groups, samples) of the online table ready and fresh; the offline table is a fixed pool
+        (``buffer/offline_size``), always there to draw from."""
         lv = self.learner_version if learner_version is None else learner_version
         with self.cond:
-            pairs = [t.ready_groups(lv) for t in self.tables.values()]
-        return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+            return self.tables[SampleSource.ONLINE.value].ready_groups(lv)
 
     def take_refill_requests(self) -> list[RefillRequest]:
         with self.cond:
@@ -270,14 +344,13 @@ class BufferCore:
         with self.cond:
             for t in self.tables.values():
                 t.clear()
+            self.store_rows.clear()
+            self.offline_store = None
             self.cond.notify_all()
 
     def metrics_dict(self) -> dict[str, float]:
         with self.cond:
-            groups, ready = 0, 0
-            for t in self.tables.values():
-                g, r = t.ready_groups(self.learner_version)
-                groups, ready = groups + g, ready + r
+            groups, ready = self.tables[SampleSource.ONLINE.value].ready_groups(self.learner_version)
             incomplete = sum(1 for t in self.tables.values() for g in t.groups.values() if g.reported < g.size)
             return self.metrics.snapshot(
                 size=self.size, ready_samples=ready, ready_groups=groups, incomplete_groups=incomplete,

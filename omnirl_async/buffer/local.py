@@ -90,6 +90,14 @@ class LocalReplayBuffer(ReplayBuffer):
         metas, parts, info = self._core.sample_tickets(below, learner_version=learner_version)
         return SampledBatch(metas=metas, fields=assemble_fields(parts), info=info)
 
+    def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
+        metas, parts, info = self._core.sample_offline(num_online, learner_version=learner_version)
+        return SampledBatch(metas=metas, fields=assemble_fields(parts), info=info)
+
+    def load_offline(self, run_dir: str) -> dict[str, Any]:
+        from omnirl_async.buffer.offline_table import fill_from_store
+        return fill_from_store(self._core, run_dir, wrap=lambda arrays: {k: np.array(v) for k, v in arrays.items()})
+
     def size(self) -> int:
         with self._core.cond:
             return self._core.size

@@ -14,6 +14,14 @@ Names (logged as is by the trainer):
   number, not logged) holds the first ``[kind, reason, prompt]`` of each kind
 * ``buffer/staleness/lag_<k>`` – how many sampled samples had lag ``k``
   (``lag_<K>+`` for the last bin); ``buffer/staleness/mean``, ``/max``
+* ``buffer/offline_size`` – samples in the offline table (2 per preference
+  pair); ``buffer/offline_sampled`` – offline samples drawn so far;
+  ``buffer/offline_frac`` – the offline share of every sample drawn so far
+  (offline / (online + offline)), what ``buffer.offline_mix_ratio`` targets
+
+Online and offline draws are counted apart: offline samples have no policy
+version, so they never enter the staleness histogram, the rates or
+``buffer/sampled`` / ``buffer/inserted`` (those describe the rollouts).
 """
 
 from __future__ import annotations
@@ -56,7 +64,10 @@ class BufferMetrics:
         self.samples = _Rate(window_s)
         self.max_lag_bin = max_lag_bin
         self.counters = {"dropped_stale": 0, "dropped_failed": 0, "dropped_incomplete_groups": 0,
-                         "evicted": 0, "refill_requests": 0}
+                         "evicted": 0, "refill_requests": 0, "offline_sampled": 0,
+                         # the offline share's running totals (BufferCore.sample_offline): online samples mixed
+                         # with, offline samples drawn for them
+                         "mix_online": 0, "mix_offline": 0}
         self.lag_hist = [0] * (max_lag_bin + 1)
         self.lag_sum = 0
         self.lag_max = 0
@@ -85,13 +96,18 @@ class BufferMetrics:
             self.lag_sum += lag
             self.lag_max = max(self.lag_max, lag)
 
+    def on_offline_sample(self, n: int) -> None:
+        self.counters["offline_sampled"] += int(n)
+
     def snapshot(self, **gauges: float) -> dict[str, float]:
         out = {f"buffer/{k}": float(v) for k, v in gauges.items()}
         out["buffer/insert_rate"] = self.inserts.rate()
         out["buffer/sample_rate"] = self.samples.rate()
         out["buffer/inserted"] = float(self.inserts.total)
         out["buffer/sampled"] = float(self.samples.total)
-        out.update({f"buffer/{k}": float(v) for k, v in self.counters.items()})
+        out.update({f"buffer/{k}": float(v) for k, v in self.counters.items() if not k.startswith("mix_")})
+        drawn = self.samples.total + self.counters["offline_sampled"]
+        out["buffer/offline_frac"] = self.counters["offline_sampled"] / drawn if drawn else 0.0
         out.update({f"buffer/failed/{k}": float(v) for k, v in sorted(self.failed_kinds.items())})
         out["buffer/failure_examples"] = [list(v) for v in self.failure_examples.values()]
         for k, c in enumerate(self.lag_hist):

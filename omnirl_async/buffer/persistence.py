@@ -15,10 +15,19 @@ old snapshot or the new one, never half of one.
 Restore replaces the buffer's contents and counters; it gives back the same
 keys, tags, statuses, times_sampled and bytes. In-flight incomplete groups
 are restored as they were (their missing members may still arrive).
+
+Offline pairs filled from the run's offline store (:mod:`.offline_table`) are
+not copied: their group records keep the metadata and, instead of a chunk,
+the pair's position in the store (chunk ``-1``), and ``offline_store`` names
+the store (its folder and content hash). A restore reads those rows back from
+the store - the same bytes, since a stored pair never changes - and refuses
+with the store's path when a referenced pair is gone. Samplers with a
+position (the offline table's shuffled passes) save it too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -64,6 +73,13 @@ class TableRecord(msgspec.Struct, kw_only=True):
     refill_rounds: dict[str, int]
     refills: list[RefillRequest]
     groups: list[GroupRecord]
+    sampler_state: dict[str, Any] | None = None
+
+
+class OfflineStoreRef(msgspec.Struct, kw_only=True):
+    dir: str                   # absolute path of <run dir>/offline when written
+    rel_dir: str               # the same, relative to the snapshot folder
+    content_hash: str
 
 
 class Snapshot(msgspec.Struct, kw_only=True):
@@ -75,6 +91,7 @@ class Snapshot(msgspec.Struct, kw_only=True):
     metrics: dict[str, Any]
     tables: list[TableRecord]
     chunks: list[str]          # file names
+    offline_store: OfflineStoreRef | None = None
 
 
 def write_snapshot(core: BufferCore, path: str, *, resolve: Callable[[Any], dict[str, np.ndarray]]) -> None:
@@ -87,6 +104,10 @@ def write_snapshot(core: BufferCore, path: str, *, resolve: Callable[[Any], dict
     try:
         with core.cond:  # a consistent cut: producers and learners wait while we write
             snap = _write_tables(core, tmp, resolve)
+            if core.offline_store is not None and core.store_rows:
+                snap.offline_store = OfflineStoreRef(dir=core.offline_store["dir"],
+                                                     rel_dir=os.path.relpath(core.offline_store["dir"], path),
+                                                     content_hash=core.offline_store["content_hash"])
         _write_bytes(os.path.join(tmp, META_FILE), msgspec.msgpack.encode(snap))
         _fsync_dir(tmp)
         old = None
@@ -126,6 +147,13 @@ def _write_tables(core: BufferCore, tmp: str, resolve) -> Snapshot:
         n_in_chunk = 0
         for g in sorted(t.groups.values(), key=lambda g: g.order):
             chunks, rws = [], []
+            if g.uid in core.store_rows and g.ready:  # a pair of the offline store: refer to it
+                items = g.items()
+                records.append(GroupRecord(
+                    uid=g.uid, size=g.size, order=g.order, times_sampled=g.times_sampled, ready=g.ready,
+                    priority=g.priority, version=g.version, members=[it.meta for it in items],
+                    chunks=[-1] * len(items), rows=[core.store_rows[g.uid]] * len(items), failed=[]))
+                continue
             for it in g.items():
                 arrays = cache.get(id(it.payload))
                 if arrays is None:
@@ -145,7 +173,8 @@ def _write_tables(core: BufferCore, tmp: str, resolve) -> Snapshot:
                 rows=rws, failed=[g.failed[i] for i in sorted(g.failed)]))
         flush()
         tables.append(TableRecord(name=t.name, schema=t.schema.to_dict(), next_order=t._order,
-                                  refill_rounds=dict(t.refill_rounds), refills=list(t.refills), groups=records))
+                                  refill_rounds=dict(t.refill_rounds), refills=list(t.refills), groups=records,
+                                  sampler_state=t.sampler.state_dict()))
     return Snapshot(format=FORMAT, format_version=FORMAT_VERSION, created_at=time.time(),
                     learner_version=core.learner_version, limiter=core.limiter.state_dict(),
                     metrics=core.metrics.state_dict(), tables=tables, chunks=chunk_files)
@@ -168,9 +197,13 @@ def read_snapshot(core: BufferCore, path: str, *, wrap: Callable[[dict[str, np.n
                          f"build reads version {FORMAT_VERSION}; restore with the version that wrote it")
     snap = msgspec.msgpack.decode(raw, type=Snapshot)
     payloads = [wrap(load_file(os.path.join(path, f))) for f in snap.chunks]
+    from_store = _read_store_rows(snap, path, wrap)
     with core.cond:
         for t in core.tables.values():
             t.clear()
+        core.store_rows = dict(from_store.positions)
+        core.offline_store = (None if from_store.folder is None else
+                              {"dir": from_store.folder, "content_hash": snap.offline_store.content_hash})
         for rec in snap.tables:
             t = core.tables[rec.name]
             t.schema = Schema.from_dict(rec.schema, table=t.name)
@@ -178,19 +211,70 @@ def read_snapshot(core: BufferCore, path: str, *, wrap: Callable[[dict[str, np.n
             t.refill_rounds = dict(rec.refill_rounds)
             t.refills = list(rec.refills)
             for gr in rec.groups:
-                _restore_group(t, gr, payloads)
+                _restore_group(t, gr, payloads, from_store)
+            if rec.sampler_state is not None:
+                t.sampler.load_state_dict(rec.sampler_state)
         core.learner_version = snap.learner_version
         core.limiter.load_state_dict(snap.limiter)
         core.metrics.load_state_dict(snap.metrics)
         core.cond.notify_all()
 
 
-def _restore_group(t, gr: GroupRecord, payloads: list[Any]) -> None:
+@dataclasses.dataclass
+class _StoreRows:
+    """The offline-store pairs a snapshot refers to, read back: one payload, pair ``index[uid]`` in it."""
+
+    payload: Any = None
+    folder: str | None = None
+    positions: dict[str, int] = dataclasses.field(default_factory=dict)  # group uid -> position in the store
+    index: dict[str, int] = dataclasses.field(default_factory=dict)      # group uid -> pair index in ``payload``
+
+
+def _read_store_rows(snap: Snapshot, path: str, wrap) -> _StoreRows:
+    refs = [gr for rec in snap.tables for gr in rec.groups if gr.chunks and gr.chunks[0] == -1]
+    if not refs:
+        return _StoreRows()
+    from omnirl_async.buffer.offline_store import OfflineStore
+    from omnirl_async.buffer.offline_table import group_uid, pair_fields
+
+    ref = snap.offline_store
+    if ref is None:
+        raise ValueError(f"`path` = {path!r}: the snapshot refers to offline-store pairs but names no store")
+    candidates = [os.path.normpath(os.path.join(path, ref.rel_dir)), ref.dir]
+    folder = next((c for c in candidates if os.path.isfile(os.path.join(c, "index.msgpack"))), None)
+    if folder is None:
+        raise ValueError(f"`path` = {path!r}: the buffer snapshot refers to {len(refs)} pairs of the offline store "
+                         f"{ref.dir}, which is gone; put the run's `offline/` folder back (it lives beside the "
+                         "checkpoints), or resume without the buffer")
+    store = OfflineStore(os.path.dirname(folder))
+    rows = store.rows()
+    where = {r.id: i for i, r in enumerate(rows)}
+    positions: dict[str, int] = {}
+    for gr in refs:
+        pos = gr.rows[0]
+        if not (0 <= pos < len(rows) and group_uid(rows[pos].id) == gr.uid):
+            row_id = gr.uid[len(group_uid("")):]
+            if row_id not in where:
+                raise ValueError(f"`path` = {path!r}: the buffer snapshot holds offline pair {row_id!r}, which the "
+                                 f"offline store {store.dir} no longer has; restore that store, or resume without "
+                                 "the buffer")
+            pos = where[row_id]
+        positions[gr.uid] = pos
+    order = list(positions)
+    payload = wrap(pair_fields(store, [positions[u] for u in order]))
+    return _StoreRows(payload=payload, folder=str(store.dir), positions=positions,
+                      index={u: j for j, u in enumerate(order)})
+
+
+def _restore_group(t, gr: GroupRecord, payloads: list[Any], from_store: _StoreRows) -> None:
     g = Group(gr.uid, gr.size, gr.order)
     g.times_sampled, g.priority, g.version = gr.times_sampled, gr.priority, gr.version
     row_nbytes = t.schema.row_nbytes() if t.schema.known else 0
     for meta, c, r in zip(gr.members, gr.chunks, gr.rows):
-        it = Item(meta, payloads[c], r, row_nbytes)
+        if c == -1:  # an offline-store pair: row 2j + member of the pairs read back
+            it = Item(meta, from_store.payload, 2 * from_store.index[gr.uid] + meta.tags.sample_index, row_nbytes)
+        else:
+            it = Item(meta, payloads[c], r, row_nbytes)
         g.members[meta.tags.sample_index] = it
         t.items[meta.key] = it
         t.nbytes += row_nbytes
@@ -202,8 +286,7 @@ def _restore_group(t, gr: GroupRecord, payloads: list[Any]) -> None:
         t.ready_samples += len(g.members)
         t.sampler.insert(g.uid, GroupInfo(order=g.order, policy_version=g.version, size=len(g.members),
                                           priority=g.priority, ticket=group_ticket(g)))
-        if g.version is not None and t.name == "online":
-            t.by_version.setdefault(g.version, set()).add(g.uid)
+        t.index_fresh(g)
         if g.times_sampled > 0:
             t.remover.insert(g.uid, g.order)
 

@@ -2,7 +2,10 @@
 
 (The rule: :mod:`omnirl_async.staleness`.) ``lag = learner_version - policy_version`` of the sample (offline samples have
 no policy version and lag 0). A group is *stale* when one of its members has
-``lag > max_off_policy_threshold``; it is then never returned by ``sample``
+``lag`` above its bound: the threshold its prompt was admitted under
+(``tags.max_lag``, stamped by admission; it differs from the configured value when
+``max_off_policy_threshold: auto`` moved it), else ``max_off_policy_threshold``.
+It is then never returned by ``sample``
 (invariant 1 of DESIGN.md). A stale group can only get staler – versions are
 monotone – so the table evicts it and counts it in ``buffer/dropped_stale``.
 
@@ -20,6 +23,7 @@ The two strategies differ upstream, not here:
 from __future__ import annotations
 
 import logging
+from typing import Iterable
 
 from omnirl_async import staleness as rule
 
@@ -45,8 +49,19 @@ class StalenessPolicy:
 
     lag = staticmethod(rule.lag)
 
-    def is_stale(self, policy_version: int | None, learner_version: int) -> bool:
-        return rule.is_stale(policy_version, learner_version, self.threshold)
+    def bound(self, admitted: Iterable[int | None] = ()) -> int | None:
+        """The bound a group is held to: the smallest ``tags.max_lag`` of its members, else the threshold."""
+        known = [int(b) for b in admitted if b is not None]
+        return min(known) if known else self.threshold
+
+    def is_stale(self, policy_version: int | None, learner_version: int,
+                 admitted: Iterable[int | None] = ()) -> bool:
+        return rule.is_stale(policy_version, learner_version, self.bound(admitted))
+
+    def last_trainable_version(self, policy_version: int | None,
+                               admitted: Iterable[int | None] = ()) -> int | None:
+        """The newest learner version that may train a group of ``policy_version`` (None = no limit)."""
+        return rule.last_trainable_version(policy_version, self.bound(admitted))
 
     def oldest_fresh_version(self, learner_version: int) -> int | None:
         """Smallest policy version still trainable at ``learner_version`` (None = no bound)."""

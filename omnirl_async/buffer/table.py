@@ -16,6 +16,11 @@ has a failed member under ``drop_incomplete_groups`` (then it is evicted and a
 :class:`RefillRequest` is queued). Failed members are never stored with data;
 they are counted in ``buffer/dropped_failed``.
 
+The offline table (``keep_drawn``) is a fixed pool instead: a drawn group
+stays, is never handed to the remover (so never evicted to make room) and
+``max_times_sampled`` does not apply; its sampler walks shuffled passes
+(:mod:`.samplers.passes`).
+
 The table is not thread-safe; :class:`~omnirl_async.buffer.core.BufferCore`
 holds the lock and does the blocking. Payloads are opaque to the table (a dict
 of arrays in-process, an ``ObjectRef`` under Ray): an item is ``(payload,
@@ -57,8 +62,14 @@ def group_ticket(g: "Group") -> int:
     return min(tickets) if tickets else -1
 
 
+def _bounds(g: "Group") -> list[int | None]:
+    """The staleness bounds the group's members were admitted under (``tags.max_lag``; None = the threshold)."""
+    return [it.meta.tags.max_lag for it in g.members.values()]
+
+
 class Group:
-    __slots__ = ("uid", "size", "order", "members", "failed", "times_sampled", "ready", "priority", "version")
+    __slots__ = ("uid", "size", "order", "members", "failed", "times_sampled", "ready", "priority", "version",
+                 "expiry")
 
     def __init__(self, uid: str, size: int, order: int) -> None:
         self.uid, self.size, self.order = uid, size, order
@@ -68,6 +79,7 @@ class Group:
         self.ready = False
         self.priority = 1.0
         self.version: int | None = None
+        self.expiry: int | None = None  # the newest learner version that may train it (set when ready)
 
     @property
     def reported(self) -> int:
@@ -80,8 +92,10 @@ class Group:
 class Table:
     def __init__(self, source: SampleSource, *, sampler: Sampler, remover: Remover, max_times: MaxTimesSampled,
                  max_size: int, staleness: StalenessPolicy, limiter: RateLimiter, metrics: BufferMetrics,
-                 drop_incomplete_groups: bool = False, max_refill_rounds: int = 3) -> None:
+                 drop_incomplete_groups: bool = False, max_refill_rounds: int = 3, keep_drawn: bool = False) -> None:
         self.source = SampleSource(source)
+        #: a fixed pool (the offline table): drawn groups stay and are never evicted to make room
+        self.keep_drawn = keep_drawn
         self.name = self.source.value
         self.schema = Schema(table=self.name)
         self.sampler, self.remover, self.max_times = sampler, remover, max_times
@@ -89,7 +103,7 @@ class Table:
         self.drop_incomplete_groups, self.max_refill_rounds = drop_incomplete_groups, max_refill_rounds
         self.items: dict[str, Item] = {}
         self.groups: dict[str, Group] = {}
-        self.by_version: dict[int, set[str]] = {}  # ready online groups by oldest policy version
+        self.by_expiry: dict[int, set[str]] = {}  # ready online groups by the last learner version to train them
         self.refill_rounds: dict[str, int] = {}
         self.refills: list[RefillRequest] = []
         self.ready_samples = 0
@@ -179,7 +193,7 @@ class Table:
             self._remove(g)
             return
         self.refill_rounds.pop(g.uid, None)
-        if learner_version is not None and self.staleness.is_stale(g.version, learner_version):
+        if learner_version is not None and self.staleness.is_stale(g.version, learner_version, _bounds(g)):
             self._drop_stale(g, learner_version)
             return
         rewards = [it.meta.reward for it in g.members.values()]
@@ -188,8 +202,14 @@ class Table:
         self.ready_samples += len(g.members)
         self.sampler.insert(g.uid, GroupInfo(order=g.order, policy_version=g.version, size=len(g.members),
                                              priority=g.priority, ticket=group_ticket(g)))
-        if self.source is SampleSource.ONLINE and g.version is not None:
-            self.by_version.setdefault(g.version, set()).add(g.uid)
+        self.index_fresh(g)
+
+    def index_fresh(self, g: Group) -> None:
+        """Index a ready online group by the newest learner version that may train it (its policy version plus
+        the bound it was admitted under, ``tags.max_lag``, else the threshold), so eviction finds it in O(1)."""
+        g.expiry = self.staleness.last_trainable_version(g.version, _bounds(g))
+        if self.source is SampleSource.ONLINE and g.expiry is not None:
+            self.by_expiry.setdefault(g.expiry, set()).add(g.uid)
 
     def _refill_or_drop(self, g: Group) -> None:
         rounds = self.refill_rounds.get(g.uid, 0)
@@ -218,12 +238,12 @@ class Table:
         if g.ready:
             self.sampler.remove(g.uid)
             self.ready_samples -= len(g.members)
-            if g.version is not None and self.source is SampleSource.ONLINE:
-                bucket = self.by_version.get(g.version)
+            if g.expiry is not None and self.source is SampleSource.ONLINE:
+                bucket = self.by_expiry.get(g.expiry)
                 if bucket is not None:
                     bucket.discard(g.uid)
                     if not bucket:
-                        del self.by_version[g.version]
+                        del self.by_expiry[g.expiry]
         self.remover.remove(g.uid)
         del self.groups[g.uid]
 
@@ -235,13 +255,10 @@ class Table:
         self._remove(g)
 
     def evict_stale(self, learner_version: int) -> int:
-        """Evict ready groups too old for ``learner_version``; O(evicted + #versions)."""
-        oldest = self.staleness.oldest_fresh_version(learner_version)
-        if oldest is None:
-            return 0
+        """Evict ready groups too old for ``learner_version`` (each by its own bound); O(evicted + #versions)."""
         n = 0
-        for v in [v for v in self.by_version if v < oldest]:
-            for gid in list(self.by_version.get(v, ())):
+        for e in [e for e in self.by_expiry if e < learner_version]:
+            for gid in list(self.by_expiry.get(e, ())):
                 g = self.groups[gid]
                 n += len(g.members)
                 self._drop_stale(g, learner_version)
@@ -269,10 +286,9 @@ class Table:
     # -------------------------------------------------------------- sample
     def ready_groups(self, learner_version: int | None) -> tuple[int, int]:
         """(groups, samples) ready and fresh at ``learner_version``."""
-        if learner_version is None or self.staleness.oldest_fresh_version(learner_version) is None:
+        if learner_version is None:
             return len(self.sampler), self.ready_samples
-        oldest = self.staleness.oldest_fresh_version(learner_version)
-        stale = [self.groups[gid] for v, s in self.by_version.items() if v < oldest for gid in s]
+        stale = [self.groups[gid] for e, s in self.by_expiry.items() if e < learner_version for gid in s]
         return len(self.sampler) - len(stale), self.ready_samples - sum(len(g.members) for g in stale)
 
     def sample(self, m: int, learner_version: int, rng: np.random.Generator) -> list[tuple[Group, list[Item]]]:
@@ -310,6 +326,8 @@ class Table:
             for it in items:
                 it.meta = msgspec.structs.replace(it.meta, times_sampled=it.meta.times_sampled + 1)
             out.append((g, items))
+            if self.keep_drawn:
+                continue
             if self.max_times.exhausted(g.times_sampled):
                 self._remove(g)
             else:

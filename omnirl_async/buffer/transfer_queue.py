@@ -133,6 +133,19 @@ class _Controller:
         return _ENC.encode(metas), parts, info
 
     @_guard
+    def sample_offline(self, num_online: int, learner_version: int):
+        metas, parts, info = self.core.sample_offline(num_online, learner_version=learner_version)
+        return _ENC.encode(metas), parts, info
+
+    @_guard
+    def load_offline(self, run_dir: str):
+        from omnirl_async.buffer.offline_table import fill_from_store
+        counter = iter(range(1 << 62))
+        units = self.units
+        return fill_from_store(self.core, run_dir, wrap=lambda arrays: ray.get(
+            units[next(counter) % len(units)].store.remote(arrays))[0])
+
+    @_guard
     def get(self, keys: list[str]):
         metas, parts = self.core.get(keys)
         return _ENC.encode(metas), parts
@@ -190,14 +203,21 @@ class RayReplayBuffer(ReplayBuffer):
         self._owner = owner
 
     @classmethod
-    def create(cls, spec: BufferSpec | None = None, *, seed: int | None = None) -> "RayReplayBuffer":
-        """Start the controller and ``spec.transport.num_data_storage_units`` storage units; None = defaults."""
+    def create(cls, spec: BufferSpec | None = None, *, seed: int | None = None,
+               unit_options: Any = None, controller_options: dict | None = None) -> "RayReplayBuffer":
+        """Start the controller and ``spec.transport.num_data_storage_units`` storage units; None = defaults.
+
+        ``unit_options(i)``: extra Ray actor options of storage unit ``i`` (its placement);
+        ``controller_options``: those of the controller (the trainer keeps it on the driver's node, where
+        it writes and reads snapshots).
+        """
         if not ray.is_initialized():
             raise RuntimeError("make_replay_buffer(use_ray=True) needs Ray: call ray.init() first")
         spec = BufferSpec() if spec is None else spec
         BufferCore(spec)  # build it here too: sampler / remover errors surface in the caller, not in an actor
-        units = [StorageUnit.remote(i) for i in range(spec.transport.num_data_storage_units)]
-        controller = TransferQueueController.remote(spec, seed, units)
+        units = [StorageUnit.options(**(unit_options(i) if unit_options else {})).remote(i)
+                 for i in range(spec.transport.num_data_storage_units)]
+        controller = TransferQueueController.options(**(controller_options or {})).remote(spec, seed, units)
         buf = cls(controller, units, float(spec.capacity.put_timeout_s), spec.transport.producer_owned_payloads,
                   owner=True)
         ray.get(controller.assert_healthy.remote(), timeout=120)
@@ -246,6 +266,14 @@ class RayReplayBuffer(ReplayBuffer):
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
         raw, parts, info = self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)), 0.0)
         return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+
+    def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
+        raw, parts, info = self._wait(self._controller.sample_offline.remote(int(num_online), int(learner_version)),
+                                      0.0)
+        return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+
+    def load_offline(self, run_dir: str) -> dict[str, Any]:
+        return self._wait(self._controller.load_offline.remote(str(run_dir)), 600.0)
 
     @staticmethod
     def _fetch(parts) -> list:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from omnirl_async.config.buffer import OFFLINE_NEEDS_PREFERENCE
 from omnirl_async.config.fields import NoEffect, opt
 
 __all__ = ["RolloutCorrectionConfig", "DiffusionAlgoConfig", "PREFERENCE_LOSSES", "DIRECT_PREFERENCE_TRAINER"]
@@ -78,9 +79,10 @@ class RolloutCorrectionConfig:
 class DiffusionAlgoConfig:
     trainer_type: str = opt("policy_gradient", "policy_gradient (FlowGRPO family) or direct_preference.",
                             choices=("policy_gradient", "direct_preference"))
-    sample_source: str = opt("online", "online (rollout + reward) or offline (precomputed batches).",
-                             choices=("online", "offline"),
-                             not_built={"offline": "offline sample_source (actor-only training on precomputed data) is not built yet"})
+    sample_source: str = opt("online", "online (rollout + reward) or offline: train on the run's offline store "
+                             "alone (`omnirl-async ingest`, docs/PREFERENCE_DATA.md), no rollout workers; each update "
+                             "takes data.train_batch_size * rollout.n offline rows.",
+                             choices=("online", "offline"), no_effect=OFFLINE_NEEDS_PREFERENCE)
     adv_estimator: str = opt("${oc.select:actor_rollout_ref.model.algorithm,flow_grpo}",
                              "Advantage estimator registry key; defaults to actor_rollout_ref.model.algorithm.",
                              choices=_adv_estimators)

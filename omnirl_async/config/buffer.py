@@ -27,6 +27,29 @@ def wait_no_effect(reason: str, **kw) -> NoEffect:
                     when_doc="with `trainer.v1.sampler.max_off_policy_strategy` = wait", **kw)
 
 
+def _policy_gradient(section, root) -> str | None:
+    """Offline pairs train only direct-preference losses."""
+    return ("with `algorithm.trainer_type` = policy_gradient"
+            if root.algorithm.trainer_type == "policy_gradient" else None)
+
+
+#: Offline pairs are clean latents plus a preference: nothing a policy-gradient loss can train on.
+OFFLINE_NEEDS_PREFERENCE = NoEffect(
+    "offline preference pairs hold clean latents and a preference, no SDE trajectory or behaviour log-probs, so a "
+    "policy-gradient loss cannot train on them", when=_policy_gradient,
+    when_doc="with `algorithm.trainer_type` = policy_gradient",
+    fix="use a direct-preference loss (`actor_rollout_ref.model.algorithm=diffusion_nft`, dpo or awm), or leave it "
+        "at {default}")
+
+
+def _offline_source(section, root) -> str | None:
+    return "with `algorithm.sample_source` = offline" if root.algorithm.sample_source == "offline" else None
+
+
+def _online_source(section, root) -> str | None:
+    return "with `algorithm.sample_source` = online" if root.algorithm.sample_source == "online" else None
+
+
 _WAIT_LIMITER = wait_no_effect("a rate limiter cannot hold a batch back (admission control already paces the "
                                "rollout)", fix="set it to null, or use the drop strategy")
 
@@ -51,9 +74,18 @@ class BufferConfig:
     samples_per_insert_error_buffer: Any = opt(None, "Slack of the rate limiter in samples; null = one batch.", gt=0)
     priority_exponent: float = opt(0.6, "Exponent of the prioritized sampler.", ge=0)
     freshness_decay: float = opt(0.5, "Per-version-lag priority decay of the freshness sampler.", gt=0, le=1)
-    offline_mix_ratio: float = opt(0.0, "Fraction of each learner batch from the offline table.", ge=0, le=1,
-                                   no_effect="the buffer can mix an offline table, but ingesting offline data into "
-                                             "it is not built yet")
+    offline_mix_ratio: float = opt(
+        0.0, "Fraction of each learner batch drawn from the offline table (the run's offline store, "
+        "docs/PREFERENCE_DATA.md): offline rows are this share of all rows trained, the rest online rollouts; "
+        "0 = online only.", ge=0, le=1,
+        no_effect=(OFFLINE_NEEDS_PREFERENCE,
+                   NoEffect("every learner row already comes from the offline table", when=_offline_source,
+                            when_doc="with `algorithm.sample_source` = offline", fix="leave it at {default}"),
+                   NoEffect("a ratio of 1 leaves no room for online samples: rollouts would run and never be "
+                            "trained", accept=lambda v: v < 1, accept_doc="values below 1", when=_online_source,
+                            when_doc="with `algorithm.sample_source` = online",
+                            fix="set `algorithm.sample_source=offline` to train on the offline table alone, or a "
+                                "ratio below 1")))
     snapshot_with_checkpoint: bool = opt(True, "Save the buffer with every checkpoint.")
 
 

@@ -23,10 +23,15 @@ def _upstream_reward_manager(value: Any) -> bool:
 
 
 def _offline_data_unread(data: Any, root: Any) -> str | None:
-    """Ingested offline pairs are read only by offline mixing or the offline sample source (built next)."""
+    """Ingested offline pairs are read only by offline mixing or the offline sample source."""
     if root.buffer.offline_mix_ratio > 0 or root.algorithm.sample_source == "offline":
         return None
     return "while `buffer.offline_mix_ratio` = 0 and `algorithm.sample_source` = online"
+
+
+def _inline_scoring(reward: Any, root: Any) -> str | None:
+    """Reward workers (and their GPUs) exist only with ``reward.num_workers`` > 0."""
+    return "while `reward.num_workers` = 0" if reward.num_workers == 0 else None
 
 
 def _rewards():
@@ -37,10 +42,13 @@ def _rewards():
 
 @dataclass
 class DataConfig:
-    train_files: Any = opt(None, "Prompt file(s) (JSONL with a `prompt` field, or .txt one prompt per line); "
-                           "null = the embedded shapes prompts.")
-    val_files: Any = opt(None, "Validation prompt file(s); null = the embedded held-out shapes prompts.")
-    prompt_key: str = opt("prompt", "Field holding the prompt text in JSONL rows.")
+    train_files: Any = opt(None, "Prompt file(s): .jsonl / .parquet rows with a `prompt` field, a `datasets` "
+                           "folder (save_to_disk), or .txt with one prompt per line; a row's other fields "
+                           "(ground_truth, metadata) reach the reward as keyword arguments. null = the embedded "
+                           "shapes prompts.")
+    val_files: Any = opt(None, "Validation prompt file(s), as `train_files`; null = the embedded held-out shapes "
+                         "prompts.")
+    prompt_key: str = opt("prompt", "Field (column) holding the prompt text in .jsonl / .parquet / `datasets` rows.")
     train_batch_size: int = opt(8, "Prompts per training step (each yields rollout.n samples).", gt=0)
     val_batch_size: Any = opt(None, "Validation prompts per generation forward (each gives "
                               "rollout.val_kwargs.n images); null = 32 images per forward.", gt=0)
@@ -52,12 +60,14 @@ class DataConfig:
                              "`<trainer.default_local_dir>/offline/` at the start of `train`, as `omnirl-async ingest` "
                              "does; null = none.",
                              no_effect=NoEffect("ingested data is only read with `buffer.offline_mix_ratio` > 0 or "
-                                                "`algorithm.sample_source` = offline, built next",
+                                                "`algorithm.sample_source` = offline",
                                                 when=_offline_data_unread,
                                                 when_doc="while `buffer.offline_mix_ratio` = 0 and "
                                                          "`algorithm.sample_source` = online",
-                                                fix="leave it at null; `omnirl-async ingest DATASET --run-dir DIR` "
-                                                    "fills a run's offline store today"))
+                                                fix="set `buffer.offline_mix_ratio` > 0 or "
+                                                    "`algorithm.sample_source=offline`, or leave it at null "
+                                                    "(`omnirl-async ingest DATASET --run-dir DIR` fills a run's "
+                                                    "offline store without training)"))
 
 
 @dataclass
@@ -71,6 +81,14 @@ class RewardConfig:
     num_workers: int = opt(0, "Reward worker actors shared by all rollout workers; 0 = score inline in each "
                               "rollout worker.", ge=0)
     num_cpus_per_worker: float = opt(1.0, "Ray CPUs reserved per reward worker (with num_workers > 0).", gt=0)
+    num_gpus_per_worker: float = opt(0.0, "Ray GPUs reserved per reward worker (a judge model on its own GPU; "
+                                     "fractions share one). Refused at start when the Ray cluster lacks them.", ge=0,
+                                     no_effect=NoEffect("inline scoring runs inside the rollout workers, which "
+                                                        "reserve their own GPUs "
+                                                        "(`actor_rollout_ref.rollout.num_gpus_per_worker`)",
+                                                        when=_inline_scoring, when_doc="while `num_workers` = 0",
+                                                        fix="set `reward.num_workers` > 0 to score on reward "
+                                                            "workers with their own GPUs, or leave it at 0"))
     timeout_s: Any = opt(None, "Seconds a reward worker may take for one group before the group is marked "
                                "failed; null = no limit.", gt=0)
     reward_fn_name: str = opt("tiny_geneval", "Built-in reward used when neither custom_reward_function "

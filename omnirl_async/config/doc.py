@@ -22,7 +22,7 @@ from omnirl_async.config.fields import MODES, NoEffect, Rule
 from omnirl_async.config.root import DiffusionTrainerConfig
 from omnirl_async.config.validate import no_effect_of, show_value
 
-__all__ = ["KeyInfo", "iter_keys", "mode_effect", "render", "main"]
+__all__ = ["KeyInfo", "annotated", "iter_keys", "mode_effect", "render", "main"]
 
 HEADER = """\
 # Config keys
@@ -156,6 +156,32 @@ def render() -> str:
     from omnirl_async.config.presets import render_table
 
     return "\n".join(out) + "\n" + render_table()
+
+
+def annotated(cfg: Any) -> str:
+    """``omnirl-async config --doc``: every key of ``cfg`` (a loaded config) with its value and help text.
+
+    One line per key, grouped as in docs/CONFIG_KEYS.md; a key whose value is refused in the config's own mode
+    does not get here (loading refused it), so the mode column is left to the docs page.
+    """
+    rows, group = [], None
+    for info in iter_keys():
+        value: Any = cfg
+        for part in info.path.split("."):
+            value = getattr(value, part)
+        if _group(info.path) != group:
+            group = _group(info.path)
+            rows.append(("", f"# {group}", ""))
+        rows.append((info.path, show_value(value), _description(info)))
+    width = min(56, max(len(f"{k} = {v}") for k, v, _ in rows if k))
+    lines = []
+    for key, value, text in rows:
+        if not key:
+            lines.append(("\n" if lines else "") + value)
+            continue
+        left = f"{key} = {value}"
+        lines.append(f"{left:<{width}}  # {text}" if text else left)
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:

@@ -63,6 +63,10 @@ class DiffusionTrainerConfig:
         if (aro.actor.ppo_mini_batch_size * n) % self.learner.num_workers:
             raise ValueError(f"`learner.num_workers` = {self.learner.num_workers} must divide the samples of one "
                              f"mini-batch (ppo_mini_batch_size x rollout.n = {aro.actor.ppo_mini_batch_size * n}).")
+        if (self.ray_kwargs.role_resources or {}).get("reward") and self.reward.num_workers == 0:
+            raise ValueError("`ray_kwargs.role_resources.reward` places reward workers, but `reward.num_workers` = 0 "
+                             "scores inline in the rollout workers: place those with "
+                             "`ray_kwargs.role_resources.rollout`, or set `reward.num_workers` > 0.")
         if aro.rollout.algo.sde_type == "cps" and aro.actor.diffusion_loss.clip_ratio > 1e-3:
             import warnings
 

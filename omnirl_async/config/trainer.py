@@ -8,8 +8,12 @@ from typing import Any
 from omnirl_async.config.buffer import wait_no_effect
 from omnirl_async.config.fields import NoEffect, opt
 
-__all__ = ["SeparateAsyncConfig", "CustomSamplerConfig", "V1SamplerConfig", "V1Config", "TrainerConfig",
-           "LearnerConfig", "RayKwargsConfig"]
+__all__ = ["SeparateAsyncConfig", "CustomSamplerConfig", "AutoThresholdConfig", "V1SamplerConfig", "V1Config",
+           "TrainerConfig", "LearnerConfig", "RayKwargsConfig", "AUTO"]
+
+#: The value of ``trainer.v1.sampler.max_off_policy_threshold`` that hands it to the controller
+#: (:mod:`omnirl_async.trainer.auto_threshold`).
+AUTO = "auto"
 
 
 def _sync(reason: str, **kw) -> NoEffect:
@@ -37,21 +41,72 @@ class CustomSamplerConfig:
     name: Any = opt(None, "Class name in that file.")
 
 
+def _fixed_threshold(section, root) -> str | None:
+    """The condition of the ``auto.*`` refusals: ``max_off_policy_threshold`` is a number."""
+    t = root.trainer.v1.sampler.max_off_policy_threshold
+    return None if t == AUTO else f"while `trainer.v1.sampler.max_off_policy_threshold` = {t!r} (a fixed number)"
+
+
+def _preference_trainer(section, root) -> str | None:
+    return ("with `algorithm.trainer_type` = direct_preference"
+            if root.algorithm.trainer_type == "direct_preference" else None)
+
+
+#: ``auto.*``: no threshold to tune in sync; nothing tunes a fixed one.
+_AUTO_ONLY = (
+    _sync("sync trains on-policy (threshold 0), so there is no threshold for `auto` to tune"),
+    NoEffect("a fixed threshold is never tuned", modes=("separate_async",), when=_fixed_threshold,
+             when_doc="while `trainer.v1.sampler.max_off_policy_threshold` is a number",
+             fix="leave it at its default ({default}), or set `trainer.v1.sampler.max_off_policy_threshold` = auto"),
+)
+
+
+@dataclass
+class AutoThresholdConfig:
+    """``trainer.v1.sampler.auto``: the controller of ``max_off_policy_threshold: auto`` (docs/AUTO_THRESHOLD.md)."""
+
+    min: int = opt(0, "Smallest threshold auto may choose; the run starts at it.", ge=0, no_effect=_AUTO_ONLY)
+    max: int = opt(4, "Largest threshold auto may choose.", ge=0, no_effect=_AUTO_ONLY)
+    target_mismatch: float = opt(
+        1e-3, "Rollout/learner mismatch auto keeps the threshold under: the larger of the window's mean "
+        "rollout_corr/kl and the KL its IS effective sample size implies (-ln(rollout_corr/ess)/2). Over it lowers "
+        "the threshold; raising needs it under half of it.", gt=0, no_effect=_AUTO_ONLY)
+    window: int = opt(4, "Learner updates between two decisions (the signals are averaged over them).", gt=0,
+                      no_effect=_AUTO_ONLY)
+
+
 @dataclass
 class V1SamplerConfig:
-    max_off_policy_threshold: int = opt(1, "Max version lag of a trained sample (0 = on-policy).", ge=0,
-                                        no_effect=_sync("sync trains on-policy (threshold 0): every sample is trained "
-                                                        "by the weights that generated it", accept=(0,)))
+    max_off_policy_threshold: Any = opt(
+        1, "Max version lag of a trained sample (0 = on-policy), or auto: tuned during the run within [auto.min, "
+        "auto.max] from the learner's and the rollout's idle time and the rollout/learner mismatch.",
+        no_effect=(_sync("sync trains on-policy (threshold 0): every sample is trained by the weights that generated "
+                         "it", accept=(0,)),
+                   NoEffect("direct-preference losses use no behaviour log-probs, so the rollout/learner mismatch "
+                            "that `auto` steers by is never measured", modes=("separate_async",),
+                            accept=lambda v: v != AUTO, accept_doc="any number", when=_preference_trainer,
+                            when_doc="with `algorithm.trainer_type` = direct_preference",
+                            fix="give a number (e.g. 1)")))
     max_off_policy_strategy: str = opt("wait", "wait (admission control) or drop (evict and count).",
                                        choices=("wait", "drop"),
                                        no_effect=_sync("sync trains on-policy (threshold 0), so no sample is ever "
                                                        "stale: there is nothing to wait for or drop"))
+    auto: AutoThresholdConfig = field(default_factory=AutoThresholdConfig)
     drop_incomplete_groups: bool = opt(False, "Evict a group with a failed member and refill it.")
     max_incomplete_group_refill_rounds: int = opt(3, "Refill attempts per evicted group.", ge=0)
     custom_sampler: CustomSamplerConfig = field(default_factory=CustomSamplerConfig)
     sampler_kwargs: dict = opt(factory=dict, help="Keyword arguments for the sampler.")
 
     def validate(self, path: str) -> None:
+        t = self.max_off_policy_threshold
+        if t == AUTO:
+            a = self.auto
+            if a.min > a.max:
+                raise ValueError(f"`{path}.auto.min` = {a.min} > `{path}.auto.max` = {a.max}: auto would have no "
+                                 "threshold to choose; lower auto.min or raise auto.max.")
+        elif isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"`{path}.max_off_policy_threshold` = {t!r}: give an integer >= 0 (0 = on-policy) or "
+                             f"auto (tuned within [`{path}.auto.min`, `{path}.auto.max`]).")
         cs = self.custom_sampler
         if (cs.path is None) != (cs.name is None):
             raise ValueError(f"`{path}.custom_sampler` needs both path and name (got path={cs.path!r}, "
@@ -128,6 +183,24 @@ class LearnerConfig:
 
 @dataclass
 class RayKwargsConfig:
-    address: Any = opt(None, "Ray cluster address (auto = join a running cluster); null = start a local one.")
-    num_cpus: Any = opt(None, "CPUs for a local Ray; null = all.", gt=0)
-    ray_init: dict = opt(factory=dict, help="Extra keyword arguments for ray.init.")
+    address: Any = opt(None, "Ray cluster to join: auto or host:port (also ray://host:10001); local = always start "
+                       "a new one; null = join the cluster that $RAY_ADDRESS, `ray job submit` or a `ray start` on "
+                       "this machine names, else start a local one.")
+    num_cpus: Any = opt(None, "CPUs of a local Ray this run starts; null = all (at least what the roles ask for). "
+                        "Not used when joining a cluster (its nodes' `ray start --num-cpus` set them).", gt=0)
+    ray_init: dict = opt(factory=dict, help="Extra keyword arguments for ray.init (start-only ones, such as "
+                         "num_cpus, resources or _system_config, are dropped with a note when joining a cluster).")
+    role_resources: dict = opt(factory=dict, help="Custom Ray resources each actor of a role asks for, by role "
+                               "(learner, rollout, reward, storage = transfer-queue storage units), e.g. {rollout: "
+                               "{node2: 1}} runs the rollout workers on nodes started with `ray start "
+                               "--resources='{\"node2\": 4}'`. CPUs and GPUs come from the roles' "
+                               "num_cpus_per_worker / num_gpus_per_worker.")
+    placement_timeout_s: float = opt(300.0, "Longest wait for the cluster to place a role's actors (one placement "
+                                     "group per role); then the run stops, naming the role, what it asked for, "
+                                     "what each node has and the keys to change. Raise it on an autoscaling "
+                                     "cluster.", gt=0)
+
+    def validate(self, path: str) -> None:
+        from omnirl_async.placement import check_role_resources
+
+        check_role_resources(self.role_resources, f"{path}.role_resources")

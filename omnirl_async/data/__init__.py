@@ -4,13 +4,16 @@
   seeded numpy renderer of 32×32 scenes (the pretraining stream and the ground
   truth the ``tiny_geneval`` reward is tested against).
 * :mod:`~omnirl_async.data.prompts` – the fixed train / held-out prompt split,
-  the JSONL / text prompt-file format, and the readers of ``data.train_files`` /
-  ``data.val_files`` (:func:`load_train_prompts`, :func:`load_val_prompts`).
+  the prompt datasets (.jsonl, .parquet, .txt, ``datasets`` folders), and the
+  readers of ``data.train_files`` / ``data.val_files`` (:func:`load_train_prompts`,
+  :func:`load_val_prompts`), which return a :class:`PromptSet`: the prompts and
+  the other fields of their rows.
 """
 
 from omnirl_async.data.prompts import (
     CATEGORIES,
     HELDOUT_COMPOSITION,
+    PromptSet,
     enumerate_prompts,
     heldout_prompts,
     load_train_prompts,
@@ -19,6 +22,7 @@ from omnirl_async.data.prompts import (
     prompt_split,
     read_prompt_files,
     read_prompt_rows,
+    read_prompt_set,
     read_prompts,
     train_prompts,
     write_prompt_file,
@@ -42,6 +46,7 @@ from omnirl_async.data.shapes import (
 __all__ = [
     "CATEGORIES",
     "HELDOUT_COMPOSITION",
+    "PromptSet",
     "enumerate_prompts",
     "heldout_prompts",
     "load_train_prompts",
@@ -50,6 +55,7 @@ __all__ = [
     "prompt_split",
     "read_prompt_files",
     "read_prompt_rows",
+    "read_prompt_set",
     "read_prompts",
     "train_prompts",
     "write_prompt_file",

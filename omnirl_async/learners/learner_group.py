@@ -18,23 +18,37 @@ Every call to the actors is a bounded wait (``trainer.wait_timeout_s``):
 * an exception raised inside a learner method comes back as Ray raises it
   (the original type), except :class:`~omnirl_async.learners.learner.NonFiniteError`,
   which is re-raised as itself without the remote traceback.
+
+On a cluster: the learners are reserved together in one placement group
+(:mod:`omnirl_async.placement`: ``learner.num_cpus_per_worker`` /
+``num_gpus_per_worker`` / ``ray_kwargs.role_resources.learner`` per learner,
+packed; a cluster that cannot hold them ends in a ``PlacementError`` after
+``ray_kwargs.placement_timeout_s``), so a group never half-starts. They meet
+at rank 0's node address as Ray sees it (``ray.util.get_node_ip_address()``,
+not ``gethostbyname(gethostname())``, which is often 127.0.1.1), and gloo
+binds to the network interface that holds that address. Files (the LoRA
+adapter of a checkpoint) are written by the caller of :meth:`LearnerGroup.save_lora`,
+not by rank 0: rank 0 may run on another node.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from omnirl_async.learners.learner import Learner, NonFiniteError
-from omnirl_async.models.data_parallel import free_port
 from omnirl_async.metrics import reduce_metrics
+from omnirl_async.placement import RolePlacement, role_request
 
-__all__ = ["LearnerDiedError", "LearnerGroup", "LearnerWorker", "wait_for_learners"]
+__all__ = ["LearnerDiedError", "LearnerGroup", "LearnerWorker", "wait_for_learners", "rendezvous_address",
+           "interface_of", "read_folder", "write_folder"]
 
 #: after one rank raised, how long to look for a rank that died (its death, not the survivor's
 #: broken collective, is the cause to report)
@@ -147,6 +161,46 @@ def wait_for_learners(refs: dict[int, Any], call: str, timeout_s: float) -> dict
     return results
 
 
+def rendezvous_address() -> tuple[str, int]:
+    """This node's address as Ray sees it and a TCP port that was free on it a moment ago."""
+    import ray.util
+
+    ip = ray.util.get_node_ip_address()
+    with socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET) as s:
+        s.bind((ip, 0))
+        return ip, int(s.getsockname()[1])
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of the network interface that holds ``ip`` (gloo binds there), or None."""
+    try:
+        import psutil  # installed with peft and accelerate
+    except ImportError:
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    return None
+
+
+def read_folder(folder: str | os.PathLike) -> dict[str, bytes]:
+    """Every file under ``folder`` as ``{relative posix path: bytes}``."""
+    root = Path(folder)
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def write_folder(folder: str | os.PathLike, files: dict[str, bytes]) -> None:
+    """Write ``files`` (from :func:`read_folder`) under ``folder``, refusing paths that leave it."""
+    root = Path(folder)
+    for rel, data in files.items():
+        parts = Path(rel).parts
+        if Path(rel).is_absolute() or ".." in parts:
+            raise ValueError(f"refusing to write {rel!r} outside {root}")
+        path = root.joinpath(*parts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+
+
 def learner_class(config) -> type[Learner]:
     """The learner of ``algorithm.trainer_type``: policy gradient, or direct preference."""
     if config.algorithm.trainer_type == "direct_preference":
@@ -166,7 +220,8 @@ class LearnerWorker:
         self.learner: Learner | None = None
 
     def address(self) -> tuple[str, int]:
-        return socket.gethostbyname(socket.gethostname()), free_port()
+        """Where the process group meets (called on rank 0): this node's Ray address and a free port."""
+        return rendezvous_address()
 
     def setup(self, master: tuple[str, int] | None) -> bool:
         if self.world_size > 1:
@@ -175,6 +230,11 @@ class LearnerWorker:
             backend = self.config.learner.backend
             if backend == "auto":
                 backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+                # gloo binds to what the hostname resolves to (often 127.0.1.1): other nodes could not reach it
+                iface = interface_of(rendezvous_address()[0])
+                if iface:
+                    os.environ["GLOO_SOCKET_IFNAME"] = iface
             dist.init_process_group(backend=backend, init_method=f"tcp://{master[0]}:{master[1]}",
                                     rank=self.rank, world_size=self.world_size)
         self.learner = learner_class(self.config)(self.config, rank=self.rank, world_size=self.world_size)
@@ -197,6 +257,12 @@ class LearnerWorker:
     def save_lora(self, folder: str) -> bool:
         self.learner.save_lora(folder)
         return True
+
+    def lora_files(self) -> dict[str, bytes]:
+        """The adapter folder ``save_lora`` writes, as bytes: saved on this node, written by the caller."""
+        with tempfile.TemporaryDirectory(prefix="omnirl_lora_") as tmp:
+            self.learner.save_lora(tmp)
+            return read_folder(tmp)
 
     def publish(self, store, version: int):
         """Put this rank's weights into the object store owned by ``store`` (called on rank 0)."""
@@ -221,7 +287,13 @@ class LearnerWorker:
 
 
 class LearnerGroup:
-    def __init__(self, config, *, use_ray: bool = True, num_threads: int | None = None):
+    """The learners of a run behind one API: one in-process :class:`LearnerWorker`, or N Ray actors.
+
+    Every call waits at most ``trainer.wait_timeout_s``; see the module docstring for what a dead or
+    silent rank becomes, and for placement on a cluster.
+    """
+
+    def __init__(self, config, *, use_ray: bool = True, num_threads: int | None = None, printer=None):
         self.config = config
         lcfg = config.learner
         self.num_workers = lcfg.num_workers
@@ -231,6 +303,7 @@ class LearnerGroup:
         self.hung = False  # a call timed out: its ranks may still be busy
         self.actors: list = []
         self.local: LearnerWorker | None = None
+        self.placement: RolePlacement | None = None
         if not use_ray:
             if self.num_workers != 1:
                 raise ValueError(f"`learner.num_workers` = {self.num_workers} needs Ray; the in-process learner "
@@ -240,8 +313,11 @@ class LearnerGroup:
             return
         import ray
 
-        cls = ray.remote(num_cpus=lcfg.num_cpus_per_worker, num_gpus=lcfg.num_gpus_per_worker)(LearnerWorker)
-        self.actors = [cls.options(name=None).remote(config, r, self.num_workers, num_threads)
+        # all learners or none: one placement group, a bounded wait (PlacementError names what is missing)
+        self.placement = RolePlacement(role_request(config, "learner"),
+                                       timeout_s=config.ray_kwargs.placement_timeout_s, printer=printer)
+        cls = ray.remote(LearnerWorker)
+        self.actors = [cls.options(**self.placement.options(r)).remote(config, r, self.num_workers, num_threads)
                        for r in range(self.num_workers)]
         try:
             master = self._rank0("address") if self.num_workers > 1 else None
@@ -300,7 +376,11 @@ class LearnerGroup:
         self._all("set_state", state)
 
     def save_lora(self, folder: str) -> None:
-        self._rank0("save_lora", folder)
+        """Write the adapter under ``folder`` *in this process* (rank 0 may run on another node)."""
+        if self.local is not None:
+            self.local.save_lora(folder)
+            return
+        write_folder(folder, self._rank0("lora_files"))
 
     def publish(self, store, version: int):
         """Rank 0 publishes weights ``version`` through the weight store; returns its WeightsInfo."""
@@ -330,3 +410,5 @@ class LearnerGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+        if self.placement is not None:
+            self.placement.remove()

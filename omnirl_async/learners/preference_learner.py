@@ -34,6 +34,26 @@ The **old adapter** (``actor_rollout_ref.model.policy_state_adapters`` holds
 the 0-based index of that optimizer step. ``rollout.rollout_adapter=old``
 publishes the old adapter to the rollout workers; the published weights carry
 both adapters' versions (:meth:`adapter_versions`).
+
+**Offline preference pairs** (``buffer.offline_mix_ratio``,
+``algorithm.sample_source=offline``; :mod:`omnirl_async.trainer.offline_mix`)
+arrive as rows marked by the bool field ``offline`` (each pair two adjacent
+rows, chosen first, rewards 1 and 0). They have no group of rollouts to
+normalise against, so :meth:`prepare_batch` computes the group advantages on
+the online rows only (the offline rows never shift the online mean or std)
+and gives the offline chosen row ``A = +adv_clip_max`` and the rejected one
+``A = -adv_clip_max``: DiffusionNFT's ``r`` is then exactly 1 and 0, AWM's
+weight +1 and -1, and Diffusion-DPO pairs them as they are (online pairs are
+the best and worst of each group, as without offline data). Metrics per
+source (online / offline): ``actor/pg_loss/<source>`` and, for DPO,
+``actor/dpo/implicit_acc/<source>`` and ``actor/dpo/reward_margin/<source>``
+(the loss on that source's rows of every trained micro-batch, averaged over
+its rows and the applied optimizer steps); for DiffusionNFT and AWM
+``actor/implicit_acc/<source>``, DPO's implicit-reward accuracy measured
+before the update on up to :data:`PROBE_PAIRS` pairs of the batch (online:
+best vs worst of a group) at one shared ``(t, eps)`` per pair: the fraction of
+pairs whose chosen sample the policy fits better, relative to the reference
+(adapter disabled), than the rejected one.
 """
 
 from __future__ import annotations
@@ -46,10 +66,18 @@ import torch
 import torch.distributed as dist
 
 from omnirl_async.algos import decay_at, interleave, select_online_pairs
+from omnirl_async.algos.losses.base import mean_dims
+from omnirl_async.buffer.offline_table import OFFLINE_FIELD
 from omnirl_async.learners.learner import Learner, _embeds_from_fields
 from omnirl_async.models.adapters import OLD_ADAPTER
 
-__all__ = ["PreferenceLearner"]
+__all__ = ["PreferenceLearner", "PROBE_PAIRS", "SPLIT_METRICS"]
+
+#: pairs per source the implicit-accuracy probe of DiffusionNFT / AWM scores per update
+PROBE_PAIRS = 16
+#: loss metrics reported per source (online / offline) when a batch holds offline rows
+SPLIT_METRICS = ("actor/pg_loss", "actor/dpo/implicit_acc", "actor/dpo/reward_margin")
+_SOURCES = ("online", "offline")
 
 
 class PreferenceLearner(Learner):
@@ -72,6 +100,8 @@ class PreferenceLearner(Learner):
         # the scheduler's inference grid without its final 0: the sigmas a rollout visits; and each one's next sigma
         grid = self.policy.make_sigmas(pcfg.num_inference_steps, pcfg.height, pcfg.width).float().cpu()
         self.sigma_grid, self.sigma_grid_next = grid[:-1], grid[1:]
+        self._split: dict[str, list[float]] = {}    # "<metric>/<source>" -> [weighted sum, rows], applied steps
+        self._pending: dict[str, list[float]] = {}  # the same for the mini-batch being computed
         self.optimizer_steps = 0  # applied optimizer steps (the old-policy schedule's clock)
         self.old_version = 0  # learner update whose weights the old adapter last absorbed
         self.old_decay = 0.0
@@ -84,15 +114,50 @@ class PreferenceLearner(Learner):
         return super().mini_batch_units()
 
     def prepare_batch(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, Any]:
-        batch = super().prepare_batch(fields, group_ids)
+        self._split = {}
+        if OFFLINE_FIELD in fields:
+            batch = self._prepare_mixed(fields, group_ids)
+        else:
+            batch = super().prepare_batch(fields, group_ids)
         if self.pairwise:
-            pairs = select_online_pairs(batch["advantages"], list(group_ids))
-            order = interleave(pairs.winners, pairs.losers)
+            off = batch.get(OFFLINE_FIELD)
+            on_rows = torch.arange(len(group_ids)) if off is None else (~off).nonzero().reshape(-1)
+            pairs = select_online_pairs(batch["advantages"][on_rows], [group_ids[i] for i in on_rows.tolist()])
+            order = interleave(on_rows[pairs.winners], on_rows[pairs.losers])
             metrics = batch["_metrics"]
+            if off is not None:
+                w, l = _offline_pairs(batch["rewards"], off, group_ids)
+                order = torch.cat([order, interleave(w, l)])
+                metrics["actor/dpo/num_pairs/offline"] = float(len(w))
             batch = {k: v[order] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
             metrics["actor/dpo/tie_frac"] = pairs.num_tie_groups / max(pairs.num_groups, 1)
             metrics["actor/dpo/num_pairs"] = float(len(pairs.winners))
         self._draw_timesteps(batch)
+        return batch
+
+    def _prepare_mixed(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, Any]:
+        """A batch with offline rows: online advantages from the online rows alone, offline A = +-adv_clip_max."""
+        batch = {k: torch.from_numpy(np.array(v)) for k, v in fields.items() if k != "images"}
+        off = batch[OFFLINE_FIELD].bool()
+        batch[OFFLINE_FIELD] = off
+        rewards = batch["rewards"].float()
+        adv = torch.zeros(len(rewards))
+        metrics: dict[str, float] = {}
+        on_rows = (~off).nonzero().reshape(-1)
+        if len(on_rows):
+            a, adv_metrics = self.adv_fn(
+                rewards[on_rows], [group_ids[i] for i in on_rows.tolist()],
+                norm_adv_by_std_in_grpo=self.algo_cfg.norm_adv_by_std_in_grpo, global_std=self.algo_cfg.global_std,
+                adv_clip_max=self.actor_cfg.diffusion_loss.adv_clip_max, adv_mode=self.algo_cfg.adv_mode)
+            adv[on_rows] = a.float()
+            a_np = a.float().numpy()
+            metrics = {**adv_metrics, "critic/advantages/mean": float(a_np.mean()),
+                       "critic/advantages/max": float(a_np.max()), "critic/advantages/min": float(a_np.min())}
+        c = float(self.actor_cfg.diffusion_loss.adv_clip_max)
+        adv[off] = torch.where(rewards[off] > 0.5, torch.tensor(c), torch.tensor(-c))  # chosen r = 1, rejected r = 0
+        batch["advantages"] = adv
+        batch["_metrics"] = metrics
+        batch["_group_ids"] = list(group_ids)  # the probe's pairs (pointwise losses keep the row order)
         return batch
 
     def _draw_timesteps(self, b: dict[str, Any]) -> None:
@@ -131,7 +196,11 @@ class PreferenceLearner(Learner):
         return v, {"x_t": x_t, "x0": x0, "eps": eps, "t": t}
 
     def compute_proximal(self, b: dict[str, Any], minibatches) -> None:
-        """AWM's ``v_prox`` [B, T, *latent]: the pre-update policy's velocity at each drawn ``(t, eps)``."""
+        """AWM's ``v_prox`` [B, T, *latent]: the pre-update policy's velocity at each drawn ``(t, eps)``.
+
+        With offline rows and a pointwise loss, also the implicit-accuracy probe (:meth:`implicit_accuracy`)."""
+        if OFFLINE_FIELD in b and not self.pairwise:
+            b["_metrics"].update(self.implicit_accuracy(b))
         if "v_prox" not in self.loss_fn.data_keys:
             return
         with torch.no_grad():
@@ -145,6 +214,49 @@ class PreferenceLearner(Learner):
             if self.world_size > 1 and dist.is_initialized():
                 prox = self._all_reduce(prox, dist.ReduceOp.SUM)  # each row was computed by one rank
         b["v_prox"] = prox
+
+    @torch.no_grad()
+    def implicit_accuracy(self, b: dict[str, Any]) -> dict[str, float]:
+        """``actor/implicit_acc/<source>``: the pairs the policy prefers as labelled, relative to the reference.
+
+        Up to :data:`PROBE_PAIRS` pairs per source (offline: chosen vs rejected; online: best vs worst of a
+        group by advantage), one grid sigma and one noise per pair shared by its two rows; a pair counts when
+        ``e_w - e_ref_w < e_l - e_ref_l`` (ties 0.5), ``e`` the flow-matching error. Its own generator
+        (seeded by the update): the training draws are not touched.
+        """
+        off = b[OFFLINE_FIELD]
+        gen = torch.Generator().manual_seed(int(self.config.data.seed) * 7919 + self.global_step)
+        out = {}
+        for name in _SOURCES:
+            rows = (off if name == "offline" else ~off).nonzero().reshape(-1)
+            if not len(rows):
+                continue
+            ids = b["_group_ids"]
+            if name == "offline":
+                w, l = _offline_pairs(b["rewards"][rows], torch.ones(len(rows), dtype=torch.bool),
+                                      [ids[i] for i in rows.tolist()])
+            else:
+                pairs = select_online_pairs(b["advantages"][rows], [ids[i] for i in rows.tolist()])
+                w, l = pairs.winners, pairs.losers
+            if not len(w):
+                continue
+            sel = interleave(rows[w[:PROBE_PAIRS]], rows[l[:PROBE_PAIRS]])
+            x0 = b["x0"][sel].to(self.device).float()
+            emb = _embeds_from_fields({k: v[sel] for k, v in b.items() if k.startswith("emb.")}).to(self.device)
+            n = len(sel) // 2
+            t = self.sigma_grid[torch.randint(len(self.sigma_grid), (n,), generator=gen)].repeat_interleave(2)
+            eps = torch.randn((n, *x0.shape[1:]), generator=gen).repeat_interleave(2, dim=0).to(self.device)
+            t = t.to(self.device).float()
+            tb = t.view(-1, *([1] * (x0.ndim - 1)))
+            x_t = (1.0 - tb) * x0 + tb * eps
+            target = eps - x0
+            err = mean_dims((self.velocity(self.policy, x_t, t, emb) - target) ** 2)
+            with self.policy.disable_adapter():
+                err_ref = mean_dims((self.velocity(self.policy, x_t, t, emb) - target) ** 2)
+            d = (err - err_ref).cpu()
+            acc = (d[0::2] < d[1::2]).float() + 0.5 * (d[0::2] == d[1::2]).float()
+            out[f"actor/implicit_acc/{name}"] = float(acc.mean())
+        return out
 
     # ---------------------------------------------------------------- 3. losses
     def compute_losses(self, mb: dict[str, torch.Tensor], steps: list[int], scale: float) -> dict[str, float]:
@@ -169,6 +281,8 @@ class PreferenceLearner(Learner):
             res = self.loss_fn(model_output, data)
             loss = res.loss
             metrics = dict(res.metrics)
+            if OFFLINE_FIELD in mb:
+                self._stage_split(res.metrics, model_output, data, mb[OFFLINE_FIELD].to(self.device))
             if self.teacher is not None:  # at the same x_t, t and embeddings
                 t_next = mb["t_next"][:, j].to(self.device)
                 d_loss, d_metrics = self.distill_loss(v, inputs["x_t"], inputs["t"], t_next, emb)
@@ -180,9 +294,39 @@ class PreferenceLearner(Learner):
                 sums[k] = sums.get(k, 0.0) + float(val)
         return sums
 
+    def _stage_split(self, metrics: dict[str, float], model_output: dict[str, torch.Tensor],
+                     data: dict[str, torch.Tensor], off: torch.Tensor) -> None:
+        """The loss metrics of this micro-batch's online and offline rows (no gradient; whole pairs with DPO)."""
+        for name in _SOURCES:
+            sel = off if name == "offline" else ~off
+            n = int(sel.sum())
+            if n == 0:
+                continue
+            if n == len(sel):
+                part = metrics
+            else:
+                with torch.no_grad():
+                    part = self.loss_fn({k: v[sel].detach() for k, v in model_output.items()},
+                                        {k: v[sel] for k, v in data.items()}).metrics
+            for key in SPLIT_METRICS:
+                if key in part:
+                    acc = self._pending.setdefault(f"{key}/{name}", [0.0, 0.0])
+                    acc[0] += float(part[key]) * n
+                    acc[1] += n
+
+    def _mini_batch_losses(self, b, micro_list, steps, scale):
+        self._pending = {}  # staged until the mini-batch's optimizer step is applied (skipped steps add nothing)
+        return super()._mini_batch_losses(b, micro_list, steps, scale)
+
     # ---------------------------------------------------------------- 5. after the step
     def after_optimizer_step(self) -> dict[str, float]:
-        """Refresh the old adapter every ``old_policy_update_interval`` applied optimizer steps."""
+        """Count the staged per-source metrics; refresh the old adapter every ``old_policy_update_interval``
+        applied optimizer steps."""
+        for key, (total, rows) in self._pending.items():
+            acc = self._split.setdefault(key, [0.0, 0.0])
+            acc[0] += total
+            acc[1] += rows
+        self._pending = {}
         step = self.optimizer_steps
         self.optimizer_steps += 1
         if not self.has_old or self.optimizer_steps % int(self.algo_cfg.old_policy_update_interval):
@@ -193,9 +337,12 @@ class PreferenceLearner(Learner):
         return {}
 
     def update_metrics(self) -> dict[str, float]:
-        if not self.has_old:
-            return {}
-        return {"actor/old_policy/version": float(self.old_version), "actor/old_policy/decay": float(self.old_decay)}
+        out = {key: total / rows for key, (total, rows) in self._split.items() if rows}
+        self._split = {}
+        if self.has_old:
+            out.update({"actor/old_policy/version": float(self.old_version),
+                        "actor/old_policy/decay": float(self.old_decay)})
+        return out
 
     # ---------------------------------------------------------------- weights & state
     def get_weights(self) -> dict[str, torch.Tensor]:
@@ -227,3 +374,20 @@ class PreferenceLearner(Learner):
             self.optimizer_steps = int(old["optimizer_steps"])
             self.old_version = int(old["version"])
             self.old_decay = float(old["decay"])
+
+
+def _offline_pairs(rewards: torch.Tensor, off: torch.Tensor, group_ids: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of the offline pairs' chosen (reward 1) and rejected members: ``(winners [P], losers [P])``."""
+    members: dict[str, list[int]] = {}
+    for row in off.nonzero().reshape(-1).tolist():
+        members.setdefault(group_ids[row], []).append(row)
+    winners, losers = [], []
+    for gid, rows in members.items():
+        if len(rows) != 2 or float(rewards[rows[0]]) == float(rewards[rows[1]]):
+            raise ValueError(f"offline group `{gid}` has rows {rows} with rewards "
+                             f"{[float(rewards[r]) for r in rows]}; an offline pair is two rows, chosen (1) and "
+                             "rejected (0)")
+        hi, lo = (rows[0], rows[1]) if float(rewards[rows[0]]) > float(rewards[rows[1]]) else (rows[1], rows[0])
+        winners.append(hi)
+        losers.append(lo)
+    return torch.tensor(winners, dtype=torch.long), torch.tensor(losers, dtype=torch.long)

@@ -160,6 +160,25 @@ class Tracking:
             shown = [f"{k}={data[k]:.4g}" for k in self._CONSOLE_KEYS if k in data]
             self.printer(f"step {step}: " + "  ".join(shown))
 
+    def log_histogram(self, key: str, values, step: int) -> None:
+        """Integer ``values`` (e.g. each trained sample's staleness) as a histogram with one bucket per integer.
+
+        TensorBoard: ``add_histogram`` with bucket edges at ``k +- 0.5``, so a reader gets exact counts back
+        (:func:`omnirl_async.metrics.report.read_integer_histogram`); W&B: a ``wandb.Histogram``. Nothing for an
+        empty array, nothing on the console."""
+        if self.writer is None and self.wandb_run is None:
+            return
+        v = np.asarray(values, dtype=np.int64).reshape(-1)
+        if v.size == 0:
+            return
+        edges = np.arange(int(v.min()), int(v.max()) + 2, dtype=np.float64) - 0.5
+        if self.writer is not None:
+            self.writer.add_histogram(key, v.astype(np.float64), global_step=step, bins=edges)
+            self.writer.flush()
+        if self.wandb_run is not None:
+            counts, _ = np.histogram(v, bins=edges)
+            self.wandb_run.log({key: self._wandb.Histogram(np_histogram=(counts, edges))}, step=step)
+
     def log_images(self, key: str, images: Sequence, step: int, *, captions: Sequence[str] | None = None,
                    text: str | None = None) -> None:
         """Images (uint8 ``HxWx3`` arrays or image files, one caption each) under ``key`` at ``step``.

@@ -115,7 +115,11 @@ def evaluate_policy(policy, reward, prompts: list[str], val_cfg, *, seed: int = 
         bar.update(len(chunk))
     bar.close()
     imgs = np.concatenate(images)
-    scored = reward(imgs, all_prompts)
+    row_fields = getattr(prompts, "fields", None)  # a PromptSet: each prompt's row, for the reward
+    if row_fields is not None:
+        scored = reward(imgs, all_prompts, [row_fields[i] for i, _, _ in rows])
+    else:
+        scored = reward(imgs, all_prompts)
     scores = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
     metrics = summarize(all_prompts, scores, scored.extra)
     metrics["val/failed_frac"] = float(np.mean(scored.failed))

@@ -9,12 +9,22 @@ prompts::
 * ``images`` – ``uint8 [B, H, W, 3]``, RGB, batch first.
 * ``prompts`` – ``list[str]`` of length ``B``.
 * ``**kwargs`` – the ``kwargs`` of the function's config entry merged over
-  ``reward.reward_kwargs``.
+  ``reward.reward_kwargs``, and the **other fields of each prompt's row**
+  (``ground_truth``, metadata; see :mod:`omnirl_async.rewards.adapters`): a
+  field reaches the function as a keyword argument holding a list of ``B``
+  values when the function names it as a parameter or takes ``**kwargs``; a
+  function with a ``rows`` parameter gets the list of ``B`` row dicts instead.
 * returns either ``float [B]`` scores, or a ``dict`` whose ``"score"`` entry is
   the ``[B]`` scores and whose other entries are extra per-sample ``[B]``
-  arrays (for example ``"strict"``) that are logged but not optimised.
+  arrays (for example ``"strict"``) that are logged but not optimised, or a
+  :class:`ScoredSamples` (scores, extras and a reason for each failed sample).
 
-A function signals "cannot score sample i" by returning NaN for it; raising
+A verl-style per-sample ``compute_score(data_source, solution_image,
+ground_truth, extra_info)`` is a reward function too: the reward layer calls
+it once per image (:class:`omnirl_async.rewards.adapters.PerSampleReward`).
+
+A function signals "cannot score sample i" by returning NaN for it (or a
+:class:`ScoredSamples` whose reason for ``i`` says why); raising
 means "cannot score this batch". Either way the
 :class:`~omnirl_async.rewards.manager.RewardManager` records the samples as
 failed with a reason instead of training on a made-up number.
@@ -37,6 +47,7 @@ __all__ = [
     "RewardFn",
     "RewardOutput",
     "RewardResult",
+    "ScoredSamples",
     "register_reward",
     "get_reward_fn",
     "registered_rewards",
@@ -80,6 +91,23 @@ class RewardResult:
         return int(self.failed.sum())
 
 
+@dataclasses.dataclass
+class ScoredSamples:
+    """What a reward function may return when some samples failed for reasons of their own.
+
+    ``score`` is ``float [B]`` with NaN where a sample failed, ``reasons[i]``
+    says why sample ``i`` failed (None where it was scored), ``extra`` maps
+    name -> ``float [B]`` logged values (NaN where unknown). The per-sample
+    adapter, the OpenAI-compatible judge and the HTTP client return it, so a
+    judge that timed out on one image fails that image with "timed out", not
+    the whole batch with a bare NaN.
+    """
+
+    score: np.ndarray
+    reasons: list[str | None]
+    extra: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+
 FAILURE_KINDS = ("raised", "nonfinite", "bad_output", "timeout", "no_worker", "other")
 
 
@@ -89,10 +117,10 @@ def failure_kind(reason: str | None) -> str:
     The reasons come from :class:`~omnirl_async.rewards.manager.RewardManager`
     (a function that raised, returned NaN/inf, or returned the wrong type or
     shape) and from the scorers around it (a call that outlived
-    ``reward.timeout_s``, no reward worker left).
+    ``reward.timeout_s``, a judge request that timed out, no reward worker left).
     """
     text = reason or ""
-    if "reward.timeout_s" in text:
+    if "reward.timeout_s" in text or " timed out" in text:  # a pool / inline call, or a judge request
         return "timeout"
     if "no reward worker left" in text:
         return "no_worker"

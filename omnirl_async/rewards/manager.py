@@ -13,7 +13,11 @@ this order:
    ``"tiny_geneval"``, the shapes-world reward).
 
 1 and 2 are mutually exclusive, as in VeRL-Omni. ``reward_kwargs`` are passed
-to every function, under each entry's own ``kwargs``.
+to every function, under each entry's own ``kwargs``. The other fields of each
+prompt's dataset row (``rows``) reach the functions that take them, and a
+verl-style per-sample ``compute_score(data_source, solution_image,
+ground_truth, extra_info)`` is called once per image
+(:mod:`omnirl_async.rewards.adapters`).
 
 Failure policy
 --------------
@@ -24,7 +28,10 @@ trains on. So:
   exception type and message as the reason;
 * a return value of the wrong type or shape does the same, with a reason that
   names the function and what was wrong;
-* a NaN or ±inf score marks **that** sample failed.
+* a NaN or ±inf score marks **that** sample failed;
+* a :class:`~omnirl_async.rewards.base.ScoredSamples` marks the samples it
+  gives a reason for failed, with that reason (a per-sample function that
+  raised on one image, a judge request that timed out).
 
 Failed samples get score 0.0 and ``failed=True``; the caller decides whether
 to drop them (the default of the rollout workers) or to log and keep going.
@@ -40,7 +47,8 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from omnirl_async.rewards.base import RewardResult, get_reward_fn
+from omnirl_async.rewards.adapters import PerSampleReward, call_reward, is_per_sample
+from omnirl_async.rewards.base import RewardResult, ScoredSamples, get_reward_fn
 from omnirl_async.rewards.custom import load_custom_reward_fn
 
 __all__ = ["RewardComponent", "RewardManager", "DEFAULT_REWARD_FN"]
@@ -95,6 +103,8 @@ class RewardComponent:
                 self.fn = get_reward_fn(self.registry_name)
             else:
                 raise ValueError(f"reward component {self.name!r} has no function, registry name or path")
+        if is_per_sample(self.fn):  # verl's compute_score(data_source, solution_image, ...): batched for it
+            self.fn = PerSampleReward(self.fn, self.name)
         return self.fn
 
     def __getstate__(self):
@@ -204,7 +214,9 @@ class RewardManager:
         return f"RewardManager({parts})"
 
     # ------------------------------------------------------------- scoring
-    def __call__(self, images: np.ndarray, prompts: Sequence[str]) -> RewardResult:
+    def __call__(self, images: np.ndarray, prompts: Sequence[str],
+                 rows: Sequence[Mapping | None] | None = None) -> RewardResult:
+        """Score a batch; ``rows`` are the other fields of each image's prompt row (None = no fields)."""
         images = np.asarray(images)
         if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
             raise ValueError(f"`images` must be uint8 [B, H, W, 3], got {images.dtype} {tuple(images.shape)}")
@@ -212,6 +224,8 @@ class RewardManager:
         batch = images.shape[0]
         if len(prompts) != batch:
             raise ValueError(f"`prompts` has {len(prompts)} entries but `images` holds {batch} images")
+        if rows is not None and len(rows) != batch:
+            raise ValueError(f"`rows` has {len(rows)} entries but `images` holds {batch} images")
         view = images.view()
         view.flags.writeable = False  # a reward must not edit the images others see
 
@@ -228,12 +242,12 @@ class RewardManager:
         for comp in self.components:
             kwargs = {**self.reward_kwargs, **comp.kwargs}
             try:
-                out = comp.fn(view, prompts, **kwargs)
+                out = call_reward(comp.fn, view, prompts, kwargs, rows)
             except Exception as e:  # noqa: BLE001 - a reward failure is data, not a crash
                 extra[f"reward/{comp.name}"] = np.full(batch, np.nan, np.float32)
                 fail(np.ones(batch, bool), f"reward `{comp.name}` raised {type(e).__name__}: {e}")
                 continue
-            score, comp_extra, problem = _normalize(out, batch, comp.name)
+            score, comp_extra, problem, own = _normalize(out, batch, comp.name)
             if problem is not None:
                 extra[f"reward/{comp.name}"] = np.full(batch, np.nan, np.float32)
                 fail(np.ones(batch, bool), problem)
@@ -241,7 +255,7 @@ class RewardManager:
             bad = ~np.isfinite(score)
             for i in np.flatnonzero(bad):
                 failed[i] = True
-                reasons[i].append(f"reward `{comp.name}` returned {score[i]} for this sample")
+                reasons[i].append(own[i] or f"reward `{comp.name}` returned {score[i]} for this sample")
             total += comp.weight * np.where(bad, 0.0, score)
             extra[f"reward/{comp.name}"] = score.astype(np.float32)
             for key, value in comp_extra.items():
@@ -273,25 +287,42 @@ def _as_vector(value: Any, batch: int) -> tuple[np.ndarray | None, str | None]:
     return arr.astype(np.float64), None
 
 
-def _normalize(out: Any, batch: int, name: str) -> tuple[np.ndarray, dict[str, np.ndarray], str | None]:
-    """Split a reward function's output into ``(score, extras, problem)``."""
+def _normalize(out: Any, batch: int, name: str
+               ) -> tuple[np.ndarray, dict[str, np.ndarray], str | None, list[str | None]]:
+    """Split a reward function's output into ``(score, extras, problem, per-sample reasons)``.
+
+    ``problem`` says what is wrong with the output as a whole; the reasons
+    (from a :class:`ScoredSamples`, else all None) say why single samples
+    failed, where their score is NaN.
+    """
     expected = f"expected float[{batch}] or a dict with a float[{batch}] 'score'"
     extras: dict[str, np.ndarray] = {}
+    none: list[str | None] = [None] * batch
+    if isinstance(out, ScoredSamples):
+        if len(out.reasons) != batch:
+            return None, {}, f"reward `{name}` returned {len(out.reasons)} reasons for {batch} samples", none
+        score, extras, problem = _normalize(dict(out.extra, score=out.score), batch, name)[:3]
+        if problem is None:
+            for i, reason in enumerate(out.reasons):
+                if reason is not None:
+                    score[i] = np.nan  # a sample with a reason failed, whatever number came with it
+        return score, extras, problem, list(out.reasons)
     if isinstance(out, Mapping):
         if "score" not in out:
-            return None, {}, f"reward `{name}` returned a dict without 'score' (keys: {sorted(out)}); {expected}"
+            return None, {}, f"reward `{name}` returned a dict without 'score' (keys: {sorted(out)}); {expected}", none
         score, what = _as_vector(out["score"], batch)
         if what is not None:
-            return None, {}, f"reward `{name}` returned 'score' as {what}; {expected}"
+            return None, {}, f"reward `{name}` returned 'score' as {what}; {expected}", none
         for key, value in out.items():
             if key == "score":
                 continue
             vec, what = _as_vector(value, batch)
             if what is not None:
-                return None, {}, f"reward `{name}` returned extra {key!r} as {what}; extras must be float[{batch}]"
+                return None, {}, (f"reward `{name}` returned extra {key!r} as {what}; extras must be "
+                                  f"float[{batch}]"), none
             extras[str(key)] = vec.astype(np.float32)
-        return score, extras, None
+        return score, extras, None, none
     score, what = _as_vector(out, batch)
     if what is not None:
-        return None, {}, f"reward `{name}` returned {what}; {expected}"
-    return score, extras, None
+        return None, {}, f"reward `{name}` returned {what}; {expected}", none
+    return score, extras, None, none

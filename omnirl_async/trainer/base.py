@@ -31,10 +31,12 @@ from omnirl_async.buffer.base import SampledBatch
 from omnirl_async.learners.learner_group import LearnerGroup
 from omnirl_async.metrics import (Timer, Tracking, compute_data_metrics, compute_staleness_metrics,
                                   compute_throughput_metrics, compute_timing_metrics)
+from omnirl_async.placement import Placements, driver_node_options
 from omnirl_async.protocol import WeightsInfo
 from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
+from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs
 from omnirl_async.trainer.run_dir import config_dict
 from omnirl_async.trainer.trained_log import TrainedLog
 
@@ -59,10 +61,17 @@ class BaseTrainer:
         self.n = aro.rollout.n
         self.batch_prompts = config.data.train_batch_size
         self.prompts = prompts
+        # roles reserved in placement groups at their first actor (bounded by ray_kwargs.placement_timeout_s)
+        self.placements = Placements(config, printer=printer)
         self.dispatcher = self.make_dispatcher(prompts)
         self.buffer = self.make_buffer()
-        self.reward_actors = make_reward_actors(config.reward)  # [] = score inline
-        self.workers = [self.make_worker(i) for i in range(aro.rollout.num_workers)]
+        # offline preference pairs: mixed into each batch, or (sample_source=offline) trained alone, no rollouts
+        self.offline = OfflineData(config, self.buffer, printer=printer)
+        self.reward_actors = [] if self.offline.only else make_reward_actors(  # [] = score inline
+            config.reward, timeout_s=config.trainer.wait_timeout_s,
+            placement=lambda i: self.placements.options("reward", i))
+        self.workers = [self.make_worker(i) for i in range(0 if self.offline.only else aro.rollout.num_workers)]
+        self._validator = None  # sample_source=offline: one worker actor for validation, started when needed
         self.learners = LearnerGroup(config, use_ray=True,
                                      num_threads=max(1, int(config.learner.num_cpus_per_worker)))
         self._await_workers_started(float(config.trainer.wait_timeout_s))
@@ -110,7 +119,13 @@ class BaseTrainer:
 
     def make_buffer(self):
         return make_replay_buffer(self.config.buffer, self.sampler_config(), self.config.transfer_queue,
-                                  use_ray=True, seed=self.config.data.seed)
+                                  use_ray=True, seed=self.config.data.seed, **self.buffer_actor_options())
+
+    def buffer_actor_options(self) -> dict:
+        """Where the transfer queue runs: storage units by ``ray_kwargs.role_resources.storage``, the controller
+        (it writes and reads the buffer snapshots of checkpoints) on the driver's node."""
+        return dict(unit_options=lambda i: self.placements.options("storage", i),
+                    controller_options=driver_node_options())
 
     def updates_per_version(self) -> int:
         """Learner updates between weight publications (``parameter_sync_step``; sync: every update)."""
@@ -120,7 +135,9 @@ class BaseTrainer:
         import ray
 
         ro = self.config.actor_rollout_ref.rollout
-        cls = ray.remote(num_cpus=ro.num_cpus_per_worker, num_gpus=ro.num_gpus_per_worker, **options)(RolloutWorker)
+        # bundle `index` of the rollout placement group (offline-only runs place one worker, for validation)
+        placed = self.placements.options("rollout", index, count=1 if self.offline.only else None)
+        cls = ray.remote(**placed, **options)(RolloutWorker)
         return cls.remote(self.config, worker_index=index, num_threads=max(1, int(ro.num_cpus_per_worker)),
                           reward_actors=self.reward_actors)
 
@@ -235,7 +252,7 @@ class BaseTrainer:
                 timer = Timer()
                 t_step = time.perf_counter()
                 # ---- 1. the mode's step: this update's samples, then the update
-                step = self.training_step(timer)
+                step = self.take_step(timer)
                 if step is None:
                     break  # every prompt of the run has been trained
                 self.learner_busy_s += timer.times.get("update_actor", 0.0)
@@ -250,7 +267,7 @@ class BaseTrainer:
                     self.dcall("on_update", self.global_step)
                 self.after_update()
                 # ---- 3. save, validate, dump
-                done = ((cap is not None and self.global_step >= cap) or self.run_finished()
+                done = ((cap is not None and self.global_step >= cap) or self.finished()
                         or (deadline is not None and time.monotonic() > deadline))
                 if self.should_save(done):
                     with timer("save_checkpoint"):
@@ -277,6 +294,7 @@ class BaseTrainer:
     def start_run(self) -> None:
         """Publish the current version (0, or the restored one) once and start counting failures."""
         self.publish_weights()
+        self.offline.fill()  # the run's offline store into the offline table (only pairs it lacks)
         self.monitor.reset(self.buffer.metrics())
 
     def step_metrics(self, metrics: dict[str, float], batch: SampledBatch, timer: Timer,
@@ -284,6 +302,8 @@ class BaseTrainer:
         """Every step's metrics (VeRL-Omni names), and the bookkeeping that goes with them."""
         staleness = np.asarray(batch.info.get("staleness", np.zeros(len(batch))))
         self.all_staleness.append(staleness)
+        # each sample's lag, one bucket per version (`omnirl-async report` draws the run's histogram from it)
+        self.tracking.log_histogram("training/off_policy/trajectory_staleness", staleness, self.global_step)
         extras = {k[len("extra."):].replace(".", "/"): v for k, v in batch.fields.items() if k.startswith("extra.")}
         if len(batch):
             metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
@@ -293,6 +313,7 @@ class BaseTrainer:
         buf = self.buffer.metrics()
         metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in buf.items() if not isinstance(v, (list, tuple))})
         metrics["training/off_policy/dropped_samples"] = float(buf.get("buffer/dropped_stale", 0.0))
+        metrics["training/off_policy/threshold"] = float(self.sampler_config().max_off_policy_threshold)  # now
         metrics["perf/learner_idle_frac"] = 1.0 - self.learner_busy_s / max(1e-9, run_s)
         metrics.update(self.rollout_metrics())
         metrics["training/global_step"] = float(self.global_step)
@@ -333,12 +354,35 @@ class BaseTrainer:
     def progress_label(self) -> str:
         return type(self).__name__
 
+    def take_step(self, timer: Timer) -> StepResult | None:
+        """The mode's :meth:`training_step`, or with ``algorithm.sample_source=offline`` an update on offline rows.
+
+        An offline-only step hands the loop an empty online batch: no rollout metrics, staleness or audit
+        entries come from offline rows (the learner's metrics say what it trained on)."""
+        if not self.offline.only:
+            return self.training_step(timer)
+        with timer("sample"):
+            offline = self.offline.batch(self.version)
+        with timer("update_actor"):
+            fields, group_ids = learner_inputs(SampledBatch(metas=[], fields={}), offline)
+            metrics = self.learners.update(fields, group_ids)
+        metrics["training/offline_samples"] = float(len(offline))
+        return StepResult(batch=SampledBatch(metas=[], fields={}), metrics=metrics)
+
+    def finished(self) -> bool:
+        """The mode's :meth:`run_finished`; an offline-only run ends after its passes over the offline table."""
+        if self.offline.only:
+            return self.global_step >= self.total_steps()
+        return self.run_finished()
+
     def update_learner(self, batch) -> dict[str, float]:
-        """One learner update on ``batch``; an empty batch (all of its groups failed) is an empty step."""
+        """One learner update on ``batch`` (plus its offline share with ``buffer.offline_mix_ratio`` > 0);
+        an empty batch (all of its groups failed) is an empty step."""
         if len(batch) == 0:
             self.empty_steps += 1
             return {}
-        return self.learners.update(batch.fields, [m.tags.group_uid for m in batch.metas])
+        fields, group_ids, extra = self.offline.mix(batch, self.version)
+        return {**self.learners.update(fields, group_ids), **extra}
 
     # ------------------------------------------------------------------ validation and dumps
     def should_validate(self, done: bool) -> bool:
@@ -354,7 +398,7 @@ class BaseTrainer:
 
         if self._val_prompts is None:
             self._val_prompts = load_val_prompts(self.config.data, self.config.data.val_max_samples)
-        out = ray.get(self.workers[0].validate.remote(self._val_prompts, seed=self.config.data.seed))
+        out = ray.get(self.validation_worker().validate.remote(self._val_prompts, seed=self.config.data.seed))
         cap = self.config.trainer.validation_data_max_samples or 32
         strict = out["strict"][:cap] > 0.5 if out["strict"] is not None else None
         title = f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}"
@@ -366,6 +410,19 @@ class BaseTrainer:
         self.tracking.log_images("val/images", [grid], self.global_step, captions=[title],
                                  text="\n".join(f"- {m}{p}" for m, p in zip(marks, prompts)))
         return out["metrics"]
+
+    def validation_worker(self):
+        """Rollout worker 0 (it holds the newest weights); with ``algorithm.sample_source=offline``, which starts
+        no rollout workers, one worker actor started at the first validation, given the learner's weights."""
+        import ray
+
+        if self.workers:
+            return self.workers[0]
+        if self._validator is None:
+            self._validator = self.make_worker(0)
+        ray.get(self._validator.set_weights.remote(self.version, ray.put(self.learners.get_weights())),
+                timeout=self.wait_timeout_s)
+        return self._validator
 
     def log_rollout_samples(self, batch: SampledBatch, num: int = 8) -> None:
         """A few of this step's trained samples, with their prompts and rewards, to the image loggers."""
@@ -400,6 +457,8 @@ class BaseTrainer:
         may be smaller.
         """
         tcfg = self.config.trainer
+        if self.offline.only:
+            return self.offline.total_steps(tcfg.total_training_steps, tcfg.total_epochs)
         if tcfg.total_training_steps:
             return int(tcfg.total_training_steps)
         return int(np.ceil(len(self.prompts) * tcfg.total_epochs / self.batch_prompts))
@@ -415,10 +474,11 @@ class BaseTrainer:
         try:
             self.learners.stop()
         finally:
-            for w in self.workers + self.reward_actors:
+            for w in self.workers + self.reward_actors + ([self._validator] if self._validator else []):
                 ray.kill(w)
-            self.workers, self.reward_actors = [], []
+            self.workers, self.reward_actors, self._validator = [], [], None
             self.buffer.close()
+            self.placements.remove_all()
 
     def summary(self) -> dict[str, Any]:
         out = {"global_step": self.global_step, "version": self.version, "empty_steps": self.empty_steps,

@@ -19,6 +19,20 @@ Layout of ``<default_local_dir>/global_step_<N>/``::
 
 and ``latest_checkpointed_iteration.txt`` beside them, as in verl.
 
+Who writes the files (on a multi-node Ray cluster): every file is written on
+the *driver's* node, so ``trainer.default_local_dir`` only has to be a path
+the driver can write. The driver writes ``learner.*`` and ``trainer.*`` (the
+learner state comes from rank 0 through the object store) and ``lora/``
+(rank 0 saves the adapter into a temporary folder on its own node and hands
+the bytes over, :meth:`~omnirl_async.learners.learner_group.LearnerGroup.save_lora`);
+``buffer/`` is written (and read on resume) by the transfer-queue controller,
+which the trainer pins to the driver's node and which gathers the payloads
+from the storage units, wherever they run, through the object store. A later
+job resumes from the folder only if its driver sees it too: keep
+``default_local_dir`` on storage every node shares (NFS, a mounted bucket),
+or run the driver on the same node each time (``ray job submit`` runs it on
+the head node).
+
 Writing (:meth:`CheckpointManager.begin` / :meth:`CheckpointManager.commit`):
 the files are written into ``.tmp_global_step_<N>_*``; ``commit`` hashes every
 file under it, writes ``manifest.json``, fsyncs every file and directory, writes

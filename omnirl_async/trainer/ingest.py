@@ -20,7 +20,12 @@ Steps (:func:`ingest_dataset`):
    commits, so an interrupted ingest resumes where it stopped when run again).
 
 :func:`ingest_offline_files` does the same for ``data.offline_files`` at the
-start of ``train`` (into ``trainer.default_local_dir``), before Ray starts.
+start of ``train`` (into ``trainer.default_local_dir``), before Ray starts;
+:func:`prepare_offline_store` runs it and then :func:`check_offline_store`: a run
+that trains on offline pairs (``buffer.offline_mix_ratio`` > 0 or
+``algorithm.sample_source=offline``) is refused before Ray starts when its store
+is missing, empty, made for another model set-up, lacks a shard, or does not
+fit ``buffer.max_size``.
 """
 
 from __future__ import annotations
@@ -38,7 +43,8 @@ from omnirl_async.data.preference_checks import (PROGRESS_MIN_ROWS, CheckedPair,
                                                  load_latents)
 from omnirl_async.preflight import InputError
 
-__all__ = ["IngestSummary", "ingest_dataset", "ingest_offline_files", "store_signature", "SHARD_BYTES"]
+__all__ = ["IngestSummary", "ingest_dataset", "ingest_offline_files", "store_signature", "check_offline_store",
+           "prepare_offline_store", "SHARD_BYTES"]
 
 #: target size of one shard (latents of both sides)
 SHARD_BYTES = 256 * 1024**2
@@ -277,3 +283,50 @@ def ingest_offline_files(config, *, printer: Callable[[str], None] = print) -> l
         printer(summary.text())
         out.append(summary)
     return out
+
+
+def _offline_key(config) -> str | None:
+    """The setting that makes this run read the offline store (None: it does not)."""
+    if config.algorithm.sample_source == "offline":
+        return "`algorithm.sample_source` = offline"
+    ratio = float(config.buffer.offline_mix_ratio)
+    return f"`buffer.offline_mix_ratio` = {ratio:g}" if ratio > 0 else None
+
+
+def check_offline_store(config) -> OfflineStore | None:
+    """The run's offline store when the run trains on it, checked; None when it does not read it."""
+    key = _offline_key(config)
+    if key is None:
+        return None
+    run_dir = os.fspath(config.trainer.default_local_dir)
+    try:
+        store = OfflineStore(run_dir)
+    except ValueError as err:
+        raise InputError(f"{key}: {err}") from None
+    if len(store) == 0:
+        state = "is empty" if store.dir.is_dir() else "does not exist"
+        raise InputError(f"{key} trains on the run's offline store, but {store.dir} {state}: ingest preference "
+                         f"pairs first with `omnirl-async ingest DATASET --run-dir {run_dir}` (with this run's config "
+                         "overrides), or set `data.offline_files=DATASET` to ingest them when `train` starts "
+                         "(format: docs/PREFERENCE_DATA.md)")
+    signature = store_signature(config)
+    if store.signature != signature:
+        raise InputError(f"{key}: the offline store {store.dir} holds latents of another model set-up "
+                         f"({'; '.join(store.signature.differences(signature))}); train with the config it was "
+                         "ingested with, or ingest the dataset again into this run's `trainer.default_local_dir`")
+    gone = [s.file for s in store.index.shards if not (store.dir / s.file).is_file()]
+    if gone:
+        raise InputError(f"{key}: the offline store {store.dir} lacks {len(gone)} shard file(s) its index names "
+                         f"(first: {gone[0]}); restore them, or ingest the dataset again into a new run dir")
+    max_size = int(config.buffer.max_size)
+    if 2 * len(store) > max_size:
+        raise InputError(f"{key}: the offline store {store.dir} holds {len(store)} pairs = {2 * len(store)} samples, "
+                         f"more than the offline table holds (`buffer.max_size` = {max_size} samples per table); set "
+                         f"`buffer.max_size={2 * len(store)}` or more")
+    return store
+
+
+def prepare_offline_store(config, *, printer: Callable[[str], None] = print) -> OfflineStore | None:
+    """Start of ``train``: ingest ``data.offline_files``, then :func:`check_offline_store`."""
+    ingest_offline_files(config, printer=printer)
+    return check_offline_store(config)

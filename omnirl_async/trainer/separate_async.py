@@ -22,6 +22,15 @@ Staleness (``trainer.v1.sampler``):
   in ``training/off_policy/dropped_samples``); the learner takes ``B`` groups'
   worth of fresh samples, or what is left when the prompts are used up.
 
+With ``max_off_policy_threshold: auto`` a
+:class:`~omnirl_async.trainer.auto_threshold.ThresholdController` moves the
+threshold within ``[auto.min, auto.max]`` every ``auto.window`` updates, from
+the learner's and the workers' idle time, the samples dropped stale and the
+learner's ``rollout_corr/kl`` / ``rollout_corr/ess``; admission applies a new
+value to the next lease, and samples already admitted keep their own bound.
+Each decision is logged (``training/off_policy/threshold``,
+``training/off_policy/auto/*``) and the run summary prints them.
+
 Every wait of the driver is bounded by ``trainer.wait_timeout_s`` and its
 error says what was awaited and what the dispatcher and buffer held. Reward
 failures are counted per kind and stop the job past ``reward.max_failed_frac``
@@ -47,8 +56,10 @@ from omnirl_async import staleness as rule
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.staleness import AdmissionController
 from omnirl_async.buffer import make_replay_buffer
+from omnirl_async.config.trainer import AUTO
 from omnirl_async.learners.weight_store import WeightStore
 from omnirl_async.metrics import Timer
+from omnirl_async.trainer.auto_threshold import StepSignals, ThresholdController
 from omnirl_async.trainer.base import BaseTrainer, StepResult
 
 __all__ = ["SeparateAsyncTrainer"]
@@ -61,7 +72,13 @@ class SeparateAsyncTrainer(BaseTrainer):
         import ray
 
         v1 = config.trainer.v1
-        self.threshold = v1.sampler.max_off_policy_threshold
+        auto = v1.sampler.max_off_policy_threshold == AUTO
+        self.auto = ThresholdController.from_config(v1.sampler.auto) if auto else None
+        self.threshold = self.auto.value if auto else v1.sampler.max_off_policy_threshold  # the value of the moment
+        # (idle seconds, samples) of all workers at the last step and now, and samples dropped stale: the controller
+        # reads what changed in between
+        self._rollout_totals = self._rollout_now = (0.0, 0.0)
+        self._dropped_total = 0.0
         self.strategy = v1.sampler.max_off_policy_strategy
         self.worker_slowdowns = worker_slowdowns
         self.store = ray.remote(num_cpus=0)(WeightStore).remote(keep=2)
@@ -78,6 +95,10 @@ class SeparateAsyncTrainer(BaseTrainer):
     def updates_per_version(self) -> int:
         return self.config.trainer.v1.separate_async.parameter_sync_step
 
+    def sampler_config(self):
+        """``trainer.v1.sampler`` with the threshold as a number (under ``auto``, the one it starts at)."""
+        return dataclasses.replace(self.config.trainer.v1.sampler, max_off_policy_threshold=self.threshold)
+
     def make_dispatcher(self, prompts):
         import ray
 
@@ -92,7 +113,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             # FIFO in admission order: the oldest ticket first keeps every lag within the threshold
             buffer_cfg = dataclasses.replace(buffer_cfg, sampler="ticket")
         return make_replay_buffer(buffer_cfg, self.sampler_config(), self.config.transfer_queue,
-                                  use_ray=True, seed=self.config.data.seed)
+                                  use_ray=True, seed=self.config.data.seed, **self.buffer_actor_options())
 
     def make_worker(self, index: int, **options):
         return super().make_worker(index, max_concurrency=2)  # stats() answers while run_loop runs
@@ -188,8 +209,8 @@ class SeparateAsyncTrainer(BaseTrainer):
                         f"step {self.global_step + 1}: waited `trainer.wait_timeout_s` = {self.wait_timeout_s:g} s "
                         f"for {what}. {self.describe_state()}. Likely causes: rollout workers too slow or stuck in "
                         "a reward call (set `reward.timeout_s`), or the staleness bound "
-                        f"(`max_off_policy_threshold` = {self.threshold}) holding workers back while the learner "
-                        "waits; raise `trainer.wait_timeout_s` if generation is just slow.")
+                        f"(`max_off_policy_threshold` = {self.threshold_text()}) holding workers back while the "
+                        "learner waits; raise `trainer.wait_timeout_s` if generation is just slow.")
                 time.sleep(self.poll_s)
 
     def next_batch(self, timer: Timer):
@@ -218,7 +239,7 @@ class SeparateAsyncTrainer(BaseTrainer):
                 return None  # prompts finished and nothing fresh left
             with timer("sample"):
                 batch = self.buffer.sample(min(want, ready), learner_version=self.version,
-                                           timeout=self.wait_timeout_s)
+                                           timeout=self.wait_timeout_s, source="online")
         self.consumed_groups.update(m.tags.group_uid for m in batch.metas)
         # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
         self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, self.version)
@@ -251,6 +272,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             return {}
         wall = sum(s["wall_s"] for s in stats) or 1.0
         reward_s = sum(s["reward_s"] for s in stats)
+        self._rollout_now = (sum(s["idle_s"] for s in stats), float(sum(s["samples"] for s in stats)))
         step_reward_s, self.reward_s_seen = max(0.0, reward_s - self.reward_s_seen), reward_s
         return {"perf/rollout_idle_frac": sum(s["idle_s"] for s in stats) / wall,
                 "rollout/samples_generated": float(sum(s["samples"] for s in stats)),
@@ -276,6 +298,7 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ hooks of the one loop
     def on_run_start(self) -> None:
+        self.resume_threshold()
         for i in range(len(self.workers)):
             self._start_worker(i)
 
@@ -314,14 +337,61 @@ class SeparateAsyncTrainer(BaseTrainer):
         import ray
 
         with self.quiesced("validation"):
-            got = ray.get(self.workers[0].pull_weights.remote(self.store), timeout=self.wait_timeout_s)
+            got = ray.get(self.validation_worker().pull_weights.remote(self.store), timeout=self.wait_timeout_s)
             if got != self.version:
                 raise RuntimeError(f"rollout worker 0 holds weights version {got} after pulling; the learner "
                                    f"published {self.version}")
             return super().validate()
 
     def progress_label(self) -> str:
-        return f"async {self.config.actor_rollout_ref.actor.diffusion_loss.loss_mode} (lag<={self.threshold})"
+        return f"async {self.config.actor_rollout_ref.actor.diffusion_loss.loss_mode} (lag<={self.threshold_text()})"
+
+    # ------------------------------------------------------------------ the threshold (fixed, or auto)
+    def threshold_text(self) -> str:
+        return f"auto, now {self.threshold}" if self.auto is not None else str(self.threshold)
+
+    def set_threshold(self, threshold: int) -> None:
+        """Admit under ``threshold`` from the next lease on (admitted samples keep the bound they have)."""
+        self.threshold = int(threshold)
+        self.dcall("set_threshold", self.threshold)
+
+    def step_signals(self, metrics: dict[str, float], timer: Timer) -> StepSignals:
+        """What this update measured, for the controller: its timings, the workers' idle time and samples since
+        the last step, the samples dropped stale and the learner's mismatch metrics."""
+        idle_then, samples_then = self._rollout_totals
+        idle_now, samples_now = self._rollout_totals = self._rollout_now
+        dropped_now = float(metrics.get("training/off_policy/dropped_samples", 0.0))
+        dropped_then, self._dropped_total = self._dropped_total, dropped_now
+        step_s = float(timer.times.get("step", 0.0))
+        return StepSignals(step_s=step_s, learner_wait_s=float(timer.times.get("gen", 0.0)),
+                           rollout_idle_s=max(0.0, idle_now - idle_then), rollout_slots_s=len(self.workers) * step_s,
+                           generated=max(0.0, samples_now - samples_then),
+                           dropped=max(0.0, dropped_now - dropped_then),
+                           kl=metrics.get("rollout_corr/kl"), ess=metrics.get("rollout_corr/ess"))
+
+    def step_metrics(self, metrics, batch, timer, run_s):
+        """The shared metrics and, under ``auto``, each decision with its signals; ``training/off_policy/threshold``
+        is the value admission uses from the end of the step on (after a decision: the new one)."""
+        out = super().step_metrics(metrics, batch, timer, run_s)
+        if self.auto is not None:
+            decision = self.auto.observe(self.step_signals(out, timer))
+            if decision is not None:
+                if decision.new != self.threshold:
+                    self.set_threshold(decision.new)
+                out.update(decision.metrics())
+        self.last_metrics = dict(out)
+        return out
+
+    def resume_threshold(self) -> None:
+        """A resumed ``auto`` run continues from the threshold its checkpoint saved (within this run's range)."""
+        if self.auto is None or self.resumed_from is None:
+            return
+        from omnirl_async.trainer.checkpoint import load_state
+
+        saved = ((load_state(self.resumed_from, "trainer").get("dispatcher") or {}).get("admission") or {})
+        if "threshold" in saved:
+            self.auto.resume_at(int(saved["threshold"]))
+            self.set_threshold(self.auto.value)
 
     def summary(self) -> dict:
         stale = np.concatenate(self.all_staleness) if self.all_staleness else np.zeros(0)
@@ -330,5 +400,8 @@ class SeparateAsyncTrainer(BaseTrainer):
                     "staleness_mean": float(stale.mean()) if stale.size else 0.0,
                     "dropped_samples": float(self.buffer.metrics().get("buffer/dropped_stale", 0.0)),
                     "learner_idle_frac": float(self.last_metrics.get("perf/learner_idle_frac", 1.0)),
-                    "replaced_workers": self.replaced_workers})
+                    "replaced_workers": self.replaced_workers, "threshold": self.threshold})
+        if self.auto is not None:
+            out["auto_threshold"] = self.auto.summary()
+            self.printer(self.auto.summary_text())
         return out

@@ -117,8 +117,8 @@ class SyncTrainer(BaseTrainer):
             return None
         with timer("sample"):
             ready = self.buffer.num_ready_samples(self.version)
-            batch = (self.buffer.sample(ready, learner_version=self.version, timeout=self.wait_timeout_s)
-                     if ready else SampledBatch(metas=[], fields={}))
+            batch = (self.buffer.sample(ready, learner_version=self.version, timeout=self.wait_timeout_s,
+                                        source="online") if ready else SampledBatch(metas=[], fields={}))
         with timer("update_actor"):
             metrics = self.update_learner(batch)
         return StepResult(batch=batch, metrics=metrics)

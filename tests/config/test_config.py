@@ -79,7 +79,6 @@ def test_unknown_key_in_a_recipe_yaml_is_rejected(tmp_path):
     ("trainer.v1.trainer_mode=omni_sync", "not built"),
     ("actor_rollout_ref.rollout.name=vllm_omni", "vLLM"),
     ("actor_rollout_ref.actor.strategy=fsdp", "FSDP"),
-    ("buffer.offline_mix_ratio=0.5", "not built"),
 ])
 def test_features_not_built_yet_are_refused_loudly(override, needle):
     with pytest.raises(ConfigError) as err:

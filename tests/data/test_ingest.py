@@ -192,8 +192,10 @@ def test_offline_files_key(planted, tmp_path, config, policy, monkeypatch):
     monkeypatch.setattr(ingest, "_load_policy", lambda cfg: policy)
 
     with pytest.raises(ConfigError, match=r"`data.offline_files` = \['d.jsonl'\] is refused while "
-                                          r"`buffer.offline_mix_ratio` = 0.*built next"):
+                                          r"`buffer.offline_mix_ratio` = 0.*set `buffer.offline_mix_ratio` > 0"):
         load_config(["data.offline_files=[d.jsonl]"])
+    load_config(["data.offline_files=[d.jsonl]", "actor_rollout_ref.model.algorithm=dpo",
+                 "buffer.offline_mix_ratio=0.25"])  # read by the run: accepted
     path, _ = planted
     run = tmp_path / "run"
     cfg = dataclasses.replace(config, data=dataclasses.replace(config.data, offline_files=[str(path)]),

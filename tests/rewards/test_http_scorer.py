@@ -1,4 +1,4 @@
-"""http_scorer: a real ScorerServer on loopback and the registered client reward."""
+"""http_scorer: a real reward server (ScorerServer = RewardServer) on loopback and the registered client reward."""
 
 import ast
 import http.client
@@ -74,7 +74,9 @@ def test_url_forms_and_health(server, world):
     for url in (server.url + "/", server.url + "/score"):
         assert np.array_equal(http_scorer(images[:2], prompts[:2], url=url)["score"],
                               tiny_geneval(images[:2], prompts[:2])["score"])
-    assert _raw(server.url, "GET", "/health") == (200, {"status": "ok", "reward": "tiny_geneval"})
+    status, health = _raw(server.url, "GET", "/health")
+    assert status == 200 and health["status"] == "ok" and health["reward"] == "tiny_geneval"
+    assert health["max_batch"] == 256 and health["requests"] >= 2 and health["images"] >= 4
     status, body = _raw(server.url, "GET", "/nope")
     assert status == 404 and "/nope" in body["error"]
 
@@ -200,8 +202,9 @@ def test_server_arguments_are_checked():
         http_scorer(np.zeros((1, 4, 4, 3), np.uint8), ["a"], url=url, retries=0)
 
 
-def test_no_pickle_imported():
-    tree = ast.parse(Path(hs.__file__).read_text())
+@pytest.mark.parametrize("module", ["http_scorer", "server", "wire", "judge", "adapters"])
+def test_no_pickle_imported(module):
+    tree = ast.parse((Path(hs.__file__).parent / f"{module}.py").read_text())
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert not any("pickle" in name for name in imported), imported

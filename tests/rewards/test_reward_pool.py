@@ -94,6 +94,73 @@ def test_bad_reward_config_fails_when_the_pool_starts(ray_cluster, tmp_path):
         make_reward_actors(cfg)
 
 
+VERL_REWARD = """
+def compute_score(data_source, solution_image, ground_truth, extra_info=None):
+    return float(ground_truth) + (0.5 if data_source == "bonus" else 0.0)
+"""
+ROWS = [{"ground_truth": 1}, {"ground_truth": 0, "data_source": "bonus"}, {"ground_truth": 2}, None]
+
+
+def _check_rows_scored(res):
+    assert res.scores.tolist() == [1.0, 0.5, 2.0, 0.0] and res.failed.tolist() == [False, False, False, True]
+    assert "raised TypeError: float() argument must be" in res.reasons[3]  # a row without ground truth
+
+
+def test_rows_reach_a_per_sample_reward_on_a_reward_worker(tmp_path):
+    from omnirl_async.rewards.worker_pool import RewardWorker
+
+    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    cfg = _reward_cfg("reward.num_workers=1", f"reward.custom_reward_function.path={tmp_path / 'verl_reward.py'}",
+                      "reward.custom_reward_function.name=compute_score")
+    _check_rows_scored(RewardWorker(cfg).score(_images(), PROMPTS, ROWS))  # the actor's body, in this process
+
+
+@pytest.mark.slow  # the same through Ray actors (the fast test above runs the actor's body)
+def test_rows_reach_a_per_sample_reward_on_the_pool(ray_cluster, tmp_path):
+    import ray
+
+    (tmp_path / "verl_reward.py").write_text(VERL_REWARD)
+    cfg = _reward_cfg("reward.num_workers=1", "reward.num_cpus_per_worker=0.5",
+                      f"reward.custom_reward_function.path={tmp_path / 'verl_reward.py'}",
+                      "reward.custom_reward_function.name=compute_score")
+    actors = make_reward_actors(cfg)
+    try:
+        _check_rows_scored(RewardPool(actors)(_images(), PROMPTS, ROWS))
+    finally:
+        ray.kill(actors[0])
+
+
+def test_reward_workers_refuse_gpus_the_cluster_does_not_have(ray_cluster):
+    cfg = _reward_cfg("reward.num_workers=2", "reward.num_gpus_per_worker=0.5")
+    with pytest.raises(ValueError) as info:  # refused before starting anything (no TimeoutError after 60 s)
+        make_reward_actors(cfg, timeout_s=60)
+    assert str(info.value) == (
+        "`reward.num_gpus_per_worker` = 0.5 with `reward.num_workers` = 2 asks for 1 GPU(s), but the Ray cluster has "
+        "no GPUs; set `reward.num_gpus_per_worker=0` to score on CPUs, lower `reward.num_workers`, or add GPU nodes "
+        "(`ray status` lists them)")
+
+
+def test_reward_worker_gpus_go_into_the_actor_options():
+    from omnirl_async.rewards.worker_pool import check_gpus_available, reward_actor_options
+
+    assert reward_actor_options(_reward_cfg("reward.num_workers=1")) == {
+        "num_cpus": 1.0, "num_gpus": 0.0, "max_concurrency": 4}
+    cfg = _reward_cfg("reward.num_workers=2", "reward.num_gpus_per_worker=1", "reward.num_cpus_per_worker=2")
+    assert reward_actor_options(cfg) == {"num_cpus": 2.0, "num_gpus": 1.0, "max_concurrency": 4}
+    check_gpus_available(cfg, 2.0)  # fits
+    with pytest.raises(ValueError, match="asks for 2 GPU\\(s\\), but the Ray cluster has 1 GPU\\(s\\) in all"):
+        check_gpus_available(cfg, 1.0)
+
+
+def test_reward_gpus_without_reward_workers_are_refused_at_start():
+    from omnirl_async.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        load_config(["reward.num_gpus_per_worker=1"])
+    assert "`reward.num_gpus_per_worker` = 1" in str(info.value) and "reward.num_workers" in str(info.value)
+    load_config(["reward.num_gpus_per_worker=1", "reward.num_workers=1"])  # with reward workers: accepted
+
+
 def test_empty_pool_is_refused():
     with pytest.raises(ValueError, match="reward.num_workers"):
         RewardPool([])

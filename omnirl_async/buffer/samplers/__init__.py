@@ -8,12 +8,13 @@ from omnirl_async.buffer.samplers.base import GroupInfo, Sampler
 from omnirl_async.userfiles import exec_user_file
 from omnirl_async.buffer.samplers.fifo import FifoSampler
 from omnirl_async.buffer.samplers.freshness import FreshnessSampler
+from omnirl_async.buffer.samplers.passes import ShuffledPassSampler
 from omnirl_async.buffer.samplers.prioritized import PrioritizedSampler, SumTree
 from omnirl_async.buffer.samplers.ticket import TicketSampler
 from omnirl_async.buffer.samplers.uniform import UniformSampler
 
 __all__ = ["GroupInfo", "Sampler", "FifoSampler", "UniformSampler", "PrioritizedSampler", "FreshnessSampler",
-           "TicketSampler", "SumTree", "SAMPLERS", "make_sampler", "load_custom_sampler"]
+           "TicketSampler", "ShuffledPassSampler", "SumTree", "SAMPLERS", "make_sampler", "load_custom_sampler"]
 
 SAMPLERS: dict[str, type[Sampler]] = {
     "fifo": FifoSampler,

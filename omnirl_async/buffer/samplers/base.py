@@ -67,6 +67,13 @@ class Sampler(ABC):
     def ids(self) -> list[str]:
         """All inserted ids (any order)."""
 
+    def state_dict(self) -> dict | None:
+        """Position state a buffer snapshot keeps (msgpack-able); None = nothing beyond the inserted groups."""
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` after the groups were inserted again."""
+
     def __getstate__(self):
         # Samplers hold no RNG and no lock; the table owns both (STYLE guideline 7).
         return self.__dict__.copy()

@@ -1,0 +1,107 @@
+"""Offline preference pairs in the one training loop: mixed into online batches, or trained alone.
+
+The run's offline store (``<trainer.default_local_dir>/offline/``, filled by
+``omnirl-async ingest`` or ``data.offline_files``) is loaded into the replay
+buffer's offline table when the run starts, after a resume restored the
+buffer (:meth:`OfflineData.fill`; only pairs the table lacks are added).
+Then, in both trainer modes:
+
+* ``buffer.offline_mix_ratio`` = r in (0, 1): every learner update takes the
+  online batch the mode produced (sync: the step's groups; separate_async: the
+  admitted tickets, or the fresh samples under ``drop``) and adds the offline
+  share :meth:`~omnirl_async.buffer.base.ReplayBuffer.sample_offline` draws for
+  it, so that offline rows are r of all rows trained (the rounding carries over
+  between updates). The online batch alone goes on to the step's metrics:
+  rewards, staleness, the audit trail and the trained tickets never see an
+  offline row;
+* ``algorithm.sample_source=offline``: no rollout workers are started; every
+  update trains ``data.train_batch_size * rollout.n`` offline rows (rounded up
+  to whole pairs), and the run ends after ``trainer.total_training_steps``
+  updates or ``trainer.total_epochs`` passes over the offline table.
+
+The learner receives one batch: the fields both parts carry (``x0``,
+``emb.*``, ``rewards``) stacked online first, plus the bool field
+:data:`~omnirl_async.buffer.offline_table.OFFLINE_FIELD` marking the offline
+rows (see :class:`~omnirl_async.learners.preference_learner.PreferenceLearner`
+for what it does with them).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from omnirl_async.buffer.base import SampledBatch
+from omnirl_async.buffer.offline_table import OFFLINE_FIELD
+
+__all__ = ["OfflineData", "learner_inputs"]
+
+
+def learner_inputs(online: SampledBatch, offline: SampledBatch) -> tuple[dict[str, np.ndarray], list[str]]:
+    """One learner batch of both parts: their common fields, online rows first, and the offline marker."""
+    if not len(offline):
+        return online.fields, [m.tags.group_uid for m in online.metas]
+    if not len(online):
+        names = sorted(offline.fields)
+    else:
+        names = [k for k in online.fields if k in offline.fields]
+        missing = sorted(k for k in ("x0", "rewards") if k not in names)
+        if missing:
+            raise ValueError(f"online samples lack the field(s) {missing} the offline pairs train on; offline data "
+                             "mixes only into a direct-preference run (`algorithm.trainer_type` = direct_preference)")
+    fields = {k: np.concatenate([online.fields[k], offline.fields[k]]) if len(online) else offline.fields[k]
+              for k in names}
+    fields[OFFLINE_FIELD] = np.concatenate([np.zeros(len(online), bool), np.ones(len(offline), bool)])
+    group_ids = [m.tags.group_uid for m in online.metas] + [m.tags.group_uid for m in offline.metas]
+    return fields, group_ids
+
+
+class OfflineData:
+    """The offline side of one run: fill the table, draw each update's share, or a whole offline batch."""
+
+    def __init__(self, config, buffer, *, printer=print):
+        self.buffer = buffer
+        self.printer = printer
+        self.run_dir = str(config.trainer.default_local_dir)
+        self.only = config.algorithm.sample_source == "offline"
+        self.ratio = float(config.buffer.offline_mix_ratio)
+        rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
+        self.rows_per_step = rows + rows % 2  # whole pairs
+        self.wait_timeout_s = float(config.trainer.wait_timeout_s)
+        self.pairs = 0
+
+    @property
+    def used(self) -> bool:
+        return self.only or self.ratio > 0
+
+    def fill(self) -> None:
+        """Load the store's pairs the offline table lacks (start of the run, after a resume)."""
+        if not self.used:
+            return
+        info = self.buffer.load_offline(self.run_dir)
+        self.pairs = int(info["pairs"])
+        how = ("trains on them alone (`algorithm.sample_source` = offline)" if self.only else
+               f"mixes them into each learner batch at `buffer.offline_mix_ratio` = {self.ratio:g}")
+        self.printer(f"offline table: {self.pairs} preference pairs from {info['dir']} ({info['added']} added now); "
+                     f"the run {how}")
+
+    def mix(self, online: SampledBatch, version: int) -> tuple[dict[str, np.ndarray], list[str], dict[str, float]]:
+        """The learner's inputs for an online batch: with mixing on, plus its offline share."""
+        offline = (self.buffer.sample_offline(len(online), learner_version=version) if self.ratio > 0
+                   else SampledBatch(metas=[], fields={}))
+        fields, group_ids = learner_inputs(online, offline)
+        metrics = {"training/offline_samples": float(len(offline))} if self.ratio > 0 else {}
+        return fields, group_ids, metrics
+
+    def batch(self, version: int) -> SampledBatch:
+        """An update's batch of ``algorithm.sample_source=offline``: ``rows_per_step`` offline rows."""
+        return self.buffer.sample(self.rows_per_step, learner_version=version, timeout=self.wait_timeout_s,
+                                  source="offline")
+
+    def total_steps(self, total_training_steps: Any, total_epochs: int) -> int:
+        """Updates of an offline-only run: the cap, or ``total_epochs`` passes over the offline table."""
+        if total_training_steps:
+            return int(total_training_steps)
+        return max(1, int(math.ceil(2 * self.pairs * int(total_epochs) / self.rows_per_step)))

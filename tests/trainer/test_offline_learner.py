@@ -1,0 +1,150 @@
+"""Offline pairs at the learner-batch level (no Ray): joined batches, advantages, pairs, split metrics, refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnirl_async.buffer import LocalReplayBuffer
+from omnirl_async.buffer.base import SampledBatch
+from omnirl_async.buffer.offline_table import OFFLINE_FIELD
+from omnirl_async.buffer.spec import BufferSpec
+from omnirl_async.config import load_config
+from omnirl_async.config.validate import ConfigError
+from omnirl_async.learners.preference_learner import PreferenceLearner
+from omnirl_async.preflight import InputError
+from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags
+from omnirl_async.trainer.ingest import check_offline_store
+from omnirl_async.trainer.offline_mix import learner_inputs
+from tests.data.offline_fixtures import PROMPTS, model_store, synthetic_store
+
+RECIPES = {"dpo": ["actor_rollout_ref.model.algorithm=dpo"],
+           "diffusion_nft": ["actor_rollout_ref.model.algorithm=diffusion_nft"],
+           "awm": ["actor_rollout_ref.model.algorithm=awm"]}
+
+
+def _config(small_overrides, algo, *extra):
+    return load_config(small_overrides + RECIPES[algo] + ["algorithm.timestep_fraction=0.25", *extra])
+
+
+@pytest.fixture(scope="module")
+def tiny(small_overrides, tmp_path_factory):
+    """The tiny model, a 6-pair offline store for it, and its offline share + an online batch as the buffer gives them."""
+    from omnirl_async.trainer.ingest import _load_policy
+
+    cfg = _config(small_overrides, "dpo")
+    policy = _load_policy(cfg)
+    run = tmp_path_factory.mktemp("run")
+    model_store(run, cfg, policy, 6)
+    buf = LocalReplayBuffer(BufferSpec(offline_mix_ratio=0.5), seed=0)
+    buf.load_offline(str(run))
+    offline = buf.sample(8, learner_version=0, source="offline")
+    # an online batch: 2 groups of n=4, rewards with a best and a worst per group
+    n = cfg.actor_rollout_ref.rollout.n
+    rng = np.random.default_rng(0)
+    emb = policy.encode_prompt(PROMPTS[:2], max_sequence_length=cfg.actor_rollout_ref.rollout.pipeline
+                               .max_sequence_length).repeat_interleave(n).to_numpy()
+    metas = [SampleMeta(key=f"g{g}/{i}", status=SampleStatus.SUCCESS, reward=float(i),
+                        tags=SampleTags(uid=f"g{g}/{i}", group_uid=f"g{g}", sample_index=i, group_size=n,
+                                        policy_version=0, prompt=PROMPTS[g])) for g in range(2) for i in range(n)]
+    fields = {"images": np.zeros((2 * n, 32, 32, 3), np.uint8), "x0": rng.standard_normal(
+        (2 * n, *offline.fields["x0"].shape[1:])).astype(np.float32),
+        "rewards": np.asarray([0.1, 0.9, 0.4, 0.2, 0.7, 0.3, 0.3, 0.5], np.float32)[:2 * n],
+        "extra.tiny_geneval.strict": np.zeros(2 * n, np.float32), **{f"emb.{k}": v for k, v in emb.items()}}
+    online = SampledBatch(metas=metas, fields=fields)
+    return run, online, offline
+
+
+def test_learner_inputs_join_the_common_fields_and_mark_offline_rows(tiny):
+    _, online, offline = tiny
+    fields, gids = learner_inputs(online, offline)
+    assert "images" not in fields and "extra.tiny_geneval.strict" not in fields  # online-only fields: not trained
+    assert fields[OFFLINE_FIELD].tolist() == [False] * len(online) + [True] * len(offline)
+    assert fields["x0"].shape[0] == len(online) + len(offline) and gids[-1].startswith("offline/")
+    assert fields["rewards"][len(online):].tolist() == [1.0, 0.0] * (len(offline) // 2)
+    same, _ = learner_inputs(online, SampledBatch(metas=[], fields={}))
+    assert same is online.fields  # no offline share: the online batch as it was
+    pg = SampledBatch(metas=online.metas, fields={"log_probs": np.zeros((len(online), 2), np.float32),
+                                                  "rewards": online.fields["rewards"]})
+    with pytest.raises(ValueError, match=r"lack the field\(s\) \['x0'\].*direct_preference"):
+        learner_inputs(pg, offline)
+
+
+@pytest.mark.parametrize("algo", ["diffusion_nft", "awm"])
+def test_offline_rows_get_r_one_and_zero_and_leave_online_advantages_alone(small_overrides, tiny, algo):
+    _, online, offline = tiny
+    learner = PreferenceLearner(_config(small_overrides, algo))
+    c = learner.actor_cfg.diffusion_loss.adv_clip_max
+    fields, gids = learner_inputs(online, offline)
+    b = learner.prepare_batch(fields, gids)
+    off = b[OFFLINE_FIELD]
+    assert b["advantages"][off].tolist() == [c, -c] * (len(offline) // 2)  # NFT r = 1 / 0, AWM weight +1 / -1
+    alone = learner.prepare_batch(online.fields, [m.tags.group_uid for m in online.metas])
+    assert torch.equal(b["advantages"][~off], alone["advantages"])  # offline rows do not move the online std
+    metrics = learner.update(fields, gids)
+    for src in ("online", "offline"):
+        assert np.isfinite(metrics[f"actor/pg_loss/{src}"])
+        assert 0.0 <= metrics[f"actor/implicit_acc/{src}"] <= 1.0
+    assert metrics["critic/advantages/max"] == pytest.approx(float(alone["advantages"].max()))
+
+
+def test_dpo_trains_offline_pairs_as_given_and_splits_its_metrics(small_overrides, tiny):
+    _, online, offline = tiny
+    learner = PreferenceLearner(_config(small_overrides, "dpo"))
+    fields, gids = learner_inputs(online, offline)
+    b = learner.prepare_batch(fields, gids)
+    off = b[OFFLINE_FIELD]
+    assert off.tolist() == [False] * 4 + [True] * len(offline)  # 2 online pairs, then the offline pairs
+    assert b["rewards"][off][0::2].tolist() == [1.0] * (len(offline) // 2)  # chosen first in every pair
+    assert torch.equal(b["t"][0::2], b["t"][1::2])
+    metrics = learner.update(fields, gids)
+    assert metrics["actor/dpo/num_pairs"] == 2 and metrics["actor/dpo/num_pairs/offline"] == len(offline) // 2
+    for src in ("online", "offline"):
+        assert 0.0 <= metrics[f"actor/dpo/implicit_acc/{src}"] <= 1.0 and np.isfinite(metrics[f"actor/pg_loss/{src}"])
+    # an offline-only batch: its /offline metrics are the loss's own
+    only, ids = learner_inputs(SampledBatch(metas=[], fields={}), offline)
+    m = PreferenceLearner(_config(small_overrides, "dpo")).update(only, ids)
+    assert m["actor/dpo/implicit_acc/offline"] == pytest.approx(m["actor/dpo/implicit_acc"])
+    assert m["actor/pg_loss/offline"] == pytest.approx(m["actor/pg_loss"], rel=1e-5)
+    assert "actor/pg_loss/online" not in m and "critic/advantages/mean" not in m
+
+
+# ---------------------------------------------------------------- refusals at start-up
+@pytest.mark.parametrize("overrides, needles", [
+    (["buffer.offline_mix_ratio=0.25"], ["`buffer.offline_mix_ratio` = 0.25 is refused",
+                                         "policy-gradient loss cannot train on them", "diffusion_nft"]),
+    (["algorithm.sample_source=offline"], ["`algorithm.sample_source` = 'offline' is refused",
+                                           "algorithm.trainer_type` = policy_gradient"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "buffer.offline_mix_ratio=1.0"],
+     ["no room for online samples", "algorithm.sample_source=offline"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "algorithm.sample_source=offline", "buffer.offline_mix_ratio=0.5"],
+     ["every learner row already comes from the offline table"]),
+])
+def test_config_refuses_what_offline_data_cannot_do(overrides, needles):
+    with pytest.raises(ConfigError) as err:
+        load_config(overrides)
+    for needle in needles:
+        assert needle in str(err.value)
+    load_config(["actor_rollout_ref.model.algorithm=dpo", "buffer.offline_mix_ratio=0.5"])  # this one is fine
+
+
+def test_a_run_on_offline_data_needs_a_filled_store_of_its_model(small_overrides, tiny, tmp_path):
+    run, _, _ = tiny
+    cfg = _config(small_overrides, "dpo", "buffer.offline_mix_ratio=0.5", f"trainer.default_local_dir={tmp_path}")
+    with pytest.raises(InputError) as err:
+        check_offline_store(cfg)
+    assert f"`omnirl-async ingest DATASET --run-dir {tmp_path}`" in str(err.value)
+    assert "does not exist" in str(err.value) and "data.offline_files" in str(err.value)
+    ok = _config(small_overrides, "dpo", "algorithm.sample_source=offline", f"trainer.default_local_dir={run}")
+    assert len(check_offline_store(ok)) == 6
+    assert check_offline_store(_config(small_overrides, "dpo", f"trainer.default_local_dir={tmp_path}")) is None
+    small = _config(small_overrides, "dpo", "algorithm.sample_source=offline", "buffer.max_size=8",
+                    f"trainer.default_local_dir={run}")
+    with pytest.raises(InputError, match=r"6 pairs = 12 samples.*`buffer.max_size=12`"):
+        check_offline_store(small)
+    other = tmp_path / "other"
+    synthetic_store(other, 2)
+    with pytest.raises(InputError, match=r"another model set-up \(model: store 'synthetic'"):
+        check_offline_store(_config(small_overrides, "dpo", "buffer.offline_mix_ratio=0.5",
+                                    f"trainer.default_local_dir={other}"))
