@@ -28,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from omnirl_async.demo import GENEVAL_RECIPE  # noqa: E402
+
 #: The recipe that moves held-out strict accuracy on this model (docs/shapes_model.md, "What moved strict
 #: accuracy"): coefficient-preserving SDE steps in the first 4 of 10 steps, 4 prompts x 16 samples, lr 6e-4,
 #: a training score that does not pay for extra objects, and both cores busy in both phases of a sync step
@@ -35,18 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 RL_DEFAULTS = [
     "actor_rollout_ref.model.path=embedded:shapes",
     "trainer.v1.trainer_mode=sync",
-    "data.train_batch_size=4",
-    "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-    "actor_rollout_ref.rollout.n=16",
-    "actor_rollout_ref.actor.optim.lr=6e-4",
-    "actor_rollout_ref.rollout.algo.sde_type=cps",
-    "actor_rollout_ref.rollout.algo.noise_level=0.8",
-    "actor_rollout_ref.rollout.algo.sde_window_size=4",
-    "actor_rollout_ref.rollout.algo.sde_window_range=[0,4]",
+    *GENEVAL_RECIPE,
     "actor_rollout_ref.rollout.num_workers=2",
     "learner.num_workers=2",
-    "algorithm.rollout_correction.bypass_mode=true",
-    "+reward.reward_kwargs.penalize_extras=true",
     "trainer.logger=[tensorboard]",
     "trainer.resume_mode=disable",
     "trainer.max_actor_ckpt_to_keep=null",

@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["LOGGERS", "Tracking", "resolve_log_dir", "wandb_installed", "wandb_missing_message", "import_wandb"]
+__all__ = ["LOGGERS", "Tracking", "flatten_config", "resolve_log_dir", "wandb_installed", "wandb_missing_message", "import_wandb"]
 
 #: The backends ``trainer.logger`` may name.
 LOGGERS = ("console", "tensorboard", "wandb")
@@ -63,12 +63,13 @@ def import_wandb(loggers: Any):
     return wandb
 
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+def flatten_config(tree: Mapping, prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: dotted key paths of a nested config dict (empty sections kept)."""
     out: dict[str, Any] = {}
     for k, v in tree.items():
         key = f"{prefix}.{k}" if prefix else str(k)
         if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, key))
+            out.update(flatten_config(v, key))
         else:
             out[key] = v
     return out
@@ -76,7 +77,7 @@ def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
 
 def _config_text(config: Mapping) -> str:
     """The config as Markdown for TensorBoard's text tab: one ``key: value`` line per leaf, as a code block."""
-    return "\n".join(f"    {k}: {v!r}" for k, v in _flatten(config).items())
+    return "\n".join(f"    {k}: {v!r}" for k, v in flatten_config(config).items())
 
 
 def _as_image(x) -> np.ndarray:

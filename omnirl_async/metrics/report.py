@@ -35,7 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from omnirl_async.metrics.loggers import resolve_log_dir
+from omnirl_async.metrics.loggers import flatten_config, resolve_log_dir
 from omnirl_async.preflight import InputError
 
 __all__ = ["RESOLVED_CONFIG", "RunData", "find_runs", "load_run", "read_integer_histogram", "differing_keys",
@@ -110,17 +110,6 @@ def find_runs(paths: Sequence[str | os.PathLike]) -> list[Path]:
     return list(unique.values())
 
 
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
-
-
 def _read_config(folder: Path) -> dict[str, Any]:
     from omegaconf import OmegaConf
 
@@ -134,7 +123,7 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise InputError(f"report: {path} is not a mapping of config keys. Fix: restore the run's "
                          "resolved_config.yaml, or leave the run out.")
     data.pop("defaults", None)
-    return _flatten(data)
+    return flatten_config(data)
 
 
 def _has_events(folder: Path) -> bool:

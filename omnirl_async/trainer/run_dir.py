@@ -28,7 +28,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from omegaconf import OmegaConf
 
-from omnirl_async.metrics.loggers import resolve_log_dir
+from omnirl_async.metrics.loggers import flatten_config, resolve_log_dir
 from omnirl_async.preflight import InputError
 from omnirl_async.trainer.checkpoint import CheckpointManager, verify_or_raise
 
@@ -147,23 +147,12 @@ def find_run(path: str | os.PathLike, *, report: Callable[[str], None] | None = 
 
 
 # ---------------------------------------------------------------------------- resume
-def _flatten(tree: Mapping, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else str(k)
-        if isinstance(v, Mapping) and v:
-            out.update(_flatten(v, key))
-        else:
-            out[key] = v
-    return out
-
-
 _ABSENT = "<absent>"
 
 
 def resume_changes(saved: Mapping, config) -> tuple[list[tuple[str, Any, Any]], list[tuple[str, Any, Any]]]:
     """``(refused, noted)``: ``(key, saved value, new value)`` for every changed key that matters."""
-    old, new = _flatten(saved), _flatten(config_dict(config))
+    old, new = flatten_config(saved), flatten_config(config_dict(config))
     refused, noted = [], []
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key, _ABSENT), new.get(key, _ABSENT)
