@@ -223,10 +223,12 @@ class SeparateAsyncTrainer(BaseTrainer):
             target = (step + min(ahead, cap)) * self.batch_prompts
             self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
                              f"the prompt groups of tickets below {target}", timer)
-            below = rule.update_tickets(step, batch_groups=self.batch_prompts).stop
+            tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
             with timer("sample"):
-                batch = self.buffer.sample_tickets(below, learner_version=self.version)
-            if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= below:
+                batch = self.buffer.sample_tickets(tickets.stop, learner_version=self.version)
+            # the run is over when no ticket of this update was ever issued; an update whose tickets were issued
+            # but all failed is an empty step (as in sync), so that the end of the run is still saved
+            if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= tickets.start:
                 return None
         else:
             want = self.batch_prompts * self.n

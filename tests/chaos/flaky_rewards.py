@@ -51,6 +51,13 @@ def slow_every_third(images, prompts, sleep_s: float = 3.0, **kwargs):
     return _brightness(images)
 
 
+def raises_on_a_red_triangle(images, prompts, **kwargs):
+    """Fails every group of the prompt "a red triangle" (whichever call scores it), scores the rest."""
+    if "a red triangle" in prompts:
+        raise ConnectionError("scorer service refused the connection")
+    return _brightness(images)
+
+
 def always_fails(images, prompts, **kwargs):
     raise RuntimeError("the judge model is not loaded")
 

@@ -74,6 +74,23 @@ def test_failed_rewards_and_a_ragged_epoch_never_stall_training(ray_cluster, sma
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+def test_a_last_batch_whose_groups_all_failed_is_an_empty_step_and_the_end_is_saved(ray_cluster, small_overrides,
+                                                                                     tmp_path, mode):
+    """9 prompts, batch 2: the 5th update holds only the 9th prompt, whose reward always fails. The run still
+    takes that (empty) update and checkpoints its end, in both modes."""
+    assert PROMPTS[8] == "a red triangle"
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:9], f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=raises_on_a_red_triangle", "trainer.wait_timeout_s=60")
+    summary = TaskRunner(cfg, printer=lambda *a: None).run()
+    assert summary["reward_failed"] == 2  # the one group of n=2
+    assert summary["global_step"] == 5 and summary["empty_steps"] == 1
+    trained = _trained_prompts(tmp_path)
+    assert set(trained) == set(PROMPTS[:8]) and max(trained.values()) == 1
+    assert (tmp_path / "ckpt" / "global_step_5").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 def test_failed_groups_are_generated_again_with_drop_incomplete_groups(ray_cluster, small_overrides, tmp_path,
                                                                         mode):
     cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:6], f"reward.custom_reward_function.path={FLAKY}",
