@@ -31,6 +31,7 @@ import numpy as np
 from omnirl_async.buffer.offline_store import INDEX_FILE, OFFLINE_DIR, OfflineStore
 from omnirl_async.buffer.persistence import FORMAT, META_FILE, Snapshot
 from omnirl_async.preflight import InputError
+from omnirl_async.trainer.ingest import human_size
 
 __all__ = ["inspect_buffer", "find_snapshot"]
 
@@ -71,14 +72,6 @@ def _store_for(path: Path, snapshot: Path | None, snap: Snapshot | None) -> Offl
     return None
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def _row_nbytes(schema: dict[str, Any] | None) -> int:
     return sum(int(np.dtype(d).itemsize * int(np.prod(s, dtype=np.int64))) for d, s in (schema or {}).values())
 
@@ -98,7 +91,7 @@ def _snapshot_lines(folder: Path, snap: Snapshot) -> tuple[list[str], dict[str, 
         samples = sum(len(g.members) for g in t.groups)
         failed = sum(len(g.failed) for g in t.groups)
         ref = sum(len(g.members) for g in t.groups if g.chunks and g.chunks[0] == -1)
-        nbytes = _size(samples * _row_nbytes(t.schema)) + (" (in the offline store)" if ref else "")
+        nbytes = human_size(samples * _row_nbytes(t.schema)) + (" (in the offline store)" if ref else "")
         lines.append(f"  {t.name:<8} {len(t.groups):>7} {samples:>8} {failed:>7} {nbytes:>10}")
         for g in t.groups:
             if t.name == "online":
@@ -122,7 +115,7 @@ def _snapshot_lines(folder: Path, snap: Snapshot) -> tuple[list[str], dict[str, 
 def _store_lines(store: OfflineStore, drawn: dict[str, int], rows: int) -> list[str]:
     all_rows = store.rows()
     sources = Counter(r.source or "(none)" for r in all_rows)
-    lines = [f"offline store {store.dir}", f"  {len(all_rows)} pairs, {_size(store.nbytes)}, by source: "
+    lines = [f"offline store {store.dir}", f"  {len(all_rows)} pairs, {human_size(store.nbytes)}, by source: "
              f"{', '.join(f'{k}: {v}' for k, v in sorted(sources.items()))}"]
     if all_rows:
         lines.append(f"  {'id':<16} {'source':<12} {'chosen':>7} {'rejected':>8} {'drawn':>5}  prompt")

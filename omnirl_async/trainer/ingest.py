@@ -72,12 +72,13 @@ class IngestSummary:
                  f"  added:           {self.added}",
                  f"  already present: {self.already_present}",
                  f"  skipped:         {self.skipped}" + (f"   (listed in {self.report})" if self.report else ""),
-                 f"  written:         {_size(self.bytes_written)}",
-                 f"  store:           {self.store_rows} pairs, {_size(self.store_bytes)}"]
+                 f"  written:         {human_size(self.bytes_written)}",
+                 f"  store:           {self.store_rows} pairs, {human_size(self.store_bytes)}"]
         return "\n".join(lines)
 
 
-def _size(n: int) -> str:
+def human_size(n: float) -> str:
+    """Bytes as B / KiB / MiB / GiB, for summaries."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
