@@ -31,8 +31,8 @@ def two_nodes():
 
 
 class Recording(SeparateAsyncTrainer):
-    """Records the payload bytes of each trained group (a payload at or over INLINE_BYTES went through a
-    storage unit)."""
+    """Records the payload bytes of each trained group (a payload at or over `transfer_queue.inline_max_bytes`
+    went through a storage unit)."""
 
     group_bytes: list[int]
 
@@ -54,7 +54,7 @@ def _node_of(actor) -> str:
 def test_separate_async_on_two_nodes_places_roles_and_resumes(two_nodes, small_overrides, tmp_path, monkeypatch):
     import ray
 
-    from omnirl_async.buffer.transfer_queue import INLINE_BYTES
+    from omnirl_async.buffer.spec import TransportSpec
 
     cluster, node2 = two_nodes
     monkeypatch.setenv("RAY_ADDRESS", cluster.address)  # what `ray job submit` sets for its entrypoint
@@ -63,6 +63,7 @@ def test_separate_async_on_two_nodes_places_roles_and_resumes(two_nodes, small_o
         return load_config(small_overrides + [
             "trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.num_workers=2",
             "actor_rollout_ref.rollout.pipeline.num_inference_steps=3", "transfer_queue.num_data_storage_units=1",
+            "transfer_queue.producer_owned_payloads=false",  # the storage unit on node2 owns the payloads
             "+ray_kwargs.role_resources.rollout={node2:1}", "+ray_kwargs.role_resources.storage={node2:1}",
             "ray_kwargs.placement_timeout_s=120", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
             f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'tb'}",
@@ -88,7 +89,7 @@ def test_separate_async_on_two_nodes_places_roles_and_resumes(two_nodes, small_o
     finally:
         trainer.stop()
     assert summary["global_step"] == 1
-    assert min(trainer.group_bytes) >= INLINE_BYTES  # every group's payload went through the unit on node2
+    assert min(trainer.group_bytes) >= TransportSpec().inline_max_bytes  # every group's payload went through the unit on node2
     ckpt = tmp_path / "ckpt" / "global_step_1"
     names = {p.relative_to(ckpt).as_posix() for p in ckpt.rglob("*") if p.is_file()}
     assert {"learner.safetensors", "trainer.msgpack", "manifest.json", "COMPLETE"} <= names

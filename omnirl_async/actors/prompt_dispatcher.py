@@ -204,7 +204,8 @@ class PromptDispatcher(LockedState):
 
     def requeue(self, group_uid: str, prompt: str, n: int, *, global_step: int | None = None,
                 epoch: int | None = None) -> None:
-        """Generate a group again under the same ``group_uid`` (the buffer evicted it: a member failed).
+        """Generate a group again under the same ``group_uid`` (the buffer evicted it: a member failed, or its
+        payload died with the worker that owned it).
 
         It gets a new ticket at the end of the training order, so admission
         control treats it like any new prompt.
@@ -215,6 +216,8 @@ class PromptDispatcher(LockedState):
             orig = next((x for x in self._untrained.values() if x.group_uid == group_uid), None)
             if orig is not None and orig.prompt == prompt:  # its own row, also when two rows share the prompt
                 index = orig.index
+                # its samples are gone: the new lease stands for it (a resume must not generate it twice)
+                self._untrained.pop(orig.ticket, None)
             else:
                 index = self.prompts.index(prompt) if prompt in self.prompts else -1
             self._returned.append(PromptLease(lease_id=new_uid(), group_uid=group_uid, prompt=prompt,

@@ -173,7 +173,7 @@ class RolloutWorker:
             if slowdown_s:
                 time.sleep(slowdown_s)
             # scoring, put and completion run in the pool while the next group is sampled
-            inflight.append(self._pool.submit(self._finish_group, group, dispatcher, buffer, put_timeout))
+            inflight.append(self._pool.submit(self._finish_group, group, dispatcher, buffer, put_timeout, worker_id))
             while len(inflight) >= self.max_inflight_scores or (inflight and inflight[0].done()):
                 inflight.popleft().result()  # re-raises a failure of that stage here
             self.counters["wall_s"] = time.perf_counter() - t_start
@@ -220,13 +220,13 @@ class RolloutWorker:
         return {"metrics": res.metrics, "images": res.images, "prompts": res.prompts,
                 "strict": next((v for k, v in res.extra.items() if k.endswith("strict")), None)}
 
-    def _finish_group(self, group, dispatcher, buffer, put_timeout: float) -> None:
+    def _finish_group(self, group, dispatcher, buffer, put_timeout: float, worker_id: str) -> None:
         """Score, put into the buffer, complete the lease (one group, in a pool thread)."""
         import ray
 
         metas, fields, (gen_s, reward_s) = self._score_group(group)
         t0 = time.perf_counter()
-        buffer.put(metas, fields, timeout=put_timeout)
+        buffer.put(metas, fields, timeout=put_timeout, producer=worker_id)  # it may own the payload
         ray.get(dispatcher.complete.remote([group["lease"].lease_id]))
         with self._count_lock:
             self.counters["put_s"] += time.perf_counter() - t0

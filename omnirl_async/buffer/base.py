@@ -74,8 +74,13 @@ class ReplayBuffer(ABC):
     """
 
     @abstractmethod
-    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None) -> None:
+    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None,
+            producer: str | None = None) -> None:
         """Insert a batch of samples (typically a whole group) with one call.
+
+        ``producer`` names the process putting (a rollout worker id): with
+        producer-owned payloads (the Ray buffer's default) :meth:`drop_producer`
+        finds its groups when it dies. In-process buffers copy the data and ignore it.
 
         ``fields`` are batch-dimension-first arrays aligned with ``metas``.
         ``metas[i].status`` must be SUCCESS or FAILURE (with ``reason``); a
@@ -85,6 +90,11 @@ class ReplayBuffer(ABC):
         stores nothing. Blocks while the buffer is full or the rate limiter
         holds inserts back; never drops data to make room.
         """
+
+    def drop_producer(self, producer: str) -> int:
+        """``producer`` died: drop its groups whose payload it owned; those never trained are generated again
+        (refill requests, ``buffer/regenerated_groups``). Returns how many. In-process buffers own copies: 0."""
+        return 0
 
     @abstractmethod
     def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,

@@ -312,6 +312,40 @@ class BufferCore:
                 t.refills.clear()
             return out
 
+    def lose_groups(self, group_uids: Sequence[str], reason: str) -> int:
+        """Groups whose payload died with its producer: removed; those never trained are generated again
+        (a :class:`RefillRequest` each, ``buffer/regenerated_groups``). Returns the number of refills."""
+        with self.cond:
+            n = 0
+            for uid in group_uids:
+                for t in self.tables.values():
+                    g = t.groups.get(uid)
+                    if g is not None:
+                        n += t.lose(g, reason)
+            self.cond.notify_all()
+            return n
+
+    def lose_taken(self, metas: Sequence[SampleMeta], reason: str) -> int:
+        """Rows already handed out whose payload could not be read (its owner died): their groups leave the
+        buffer, and a group on its first draw (never trained) is generated again. Returns the number of refills."""
+        first_draw: dict[str, SampleMeta] = {}
+        for m in metas:
+            if m.times_sampled <= 1 and m.tags.source is SampleSource.ONLINE:
+                first_draw.setdefault(m.tags.group_uid, m)
+        with self.cond:
+            uids = {m.tags.group_uid for m in metas}
+            for t in self.tables.values():  # a group kept for reuse is still in its table: it leaves too
+                for uid in uids:
+                    g = t.groups.get(uid)
+                    if g is not None and not t.keep_drawn:
+                        t.limiter.on_drop(len(g.members), g.times_sampled)
+                        t._remove(g)
+            online = self.tables[SampleSource.ONLINE.value]
+            for m in first_draw.values():
+                online.refill_lost(m, reason)
+            self.cond.notify_all()
+            return len(first_draw)
+
     def update_priorities(self, group_uids: Sequence[str], priorities: Sequence[float]) -> None:
         if len(group_uids) != len(priorities):
             raise ValueError(f"`priorities` has {len(priorities)} entries for {len(group_uids)} group uids")

@@ -76,7 +76,8 @@ class LocalReplayBuffer(ReplayBuffer):
     def core(self) -> BufferCore:
         return self._core
 
-    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None) -> None:
+    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None,
+            producer: str | None = None) -> None:
         metas, payload, spec, row_nbytes = prepare_put(metas, fields, copy=True)
         self._core.put(metas, payload, spec, row_nbytes, timeout=timeout)
 

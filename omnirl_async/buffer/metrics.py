@@ -65,6 +65,8 @@ class BufferMetrics:
         self.max_lag_bin = max_lag_bin
         self.counters = {"dropped_stale": 0, "dropped_failed": 0, "dropped_incomplete_groups": 0,
                          "evicted": 0, "refill_requests": 0, "offline_sampled": 0,
+                         # groups whose payload died with its producer before being trained, generated again
+                         "regenerated_groups": 0,
                          # the offline share's running totals (BufferCore.sample_offline): online samples mixed
                          # with, offline samples drawn for them
                          "mix_online": 0, "mix_offline": 0}

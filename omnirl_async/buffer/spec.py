@@ -165,13 +165,19 @@ class TransportSpec:
     """The Ray layout (see :mod:`.transfer_queue`); the in-process buffer ignores it."""
 
     num_data_storage_units: int = 2
-    #: producers own their payloads: one copy less, lost when the producer dies
-    producer_owned_payloads: bool = False
+    #: producers own their payloads: one copy less; a dead producer's untrained groups are generated again
+    producer_owned_payloads: bool = True
+    #: payloads below this many bytes travel inside the controller call and live in the controller
+    inline_max_bytes: int = 64 * 1024
 
     def __post_init__(self) -> None:
         k = self.num_data_storage_units
         if not (_is_int(k) and k >= 1):
             raise ValueError(f"`{_TQ}.num_data_storage_units` = {k!r}: must be an integer >= 1")
+        b = self.inline_max_bytes
+        if not (_is_int(b) and b >= 0):
+            raise ValueError(f"`{_TQ}.inline_max_bytes` = {b!r}: must be an integer >= 0 (0 = every payload goes "
+                             "through the object store)")
         if not isinstance(self.producer_owned_payloads, bool):
             raise ValueError(f"`{_TQ}.producer_owned_payloads` = {self.producer_owned_payloads!r}: must be true "
                              "or false")
@@ -228,7 +234,8 @@ class BufferSpec:
         capacity = CapacitySpec(total_storage_size=q.total_storage_size, memory_budget_bytes=q.memory_budget_bytes,
                                 put_timeout_s=q.put_timeout_s)
         transport = TransportSpec(num_data_storage_units=q.num_data_storage_units,
-                                  producer_owned_payloads=q.producer_owned_payloads)
+                                  producer_owned_payloads=q.producer_owned_payloads,
+                                  inline_max_bytes=q.inline_max_bytes)
         return cls(table=table, staleness=staleness, rate=rate, capacity=capacity, transport=transport,
                    offline_mix_ratio=b.offline_mix_ratio)
 

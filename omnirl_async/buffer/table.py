@@ -230,6 +230,29 @@ class Table:
             source=self.source))
         self.metrics.count("refill_requests")
 
+    # ------------------------------------------------------------- lost payloads
+    def lose(self, g: Group, reason: str) -> bool:
+        """The group's payload died with its owner: remove it; regenerate it (a refill) if it was never trained.
+
+        Returns whether a refill was queued. A group already drawn once (kept
+        for reuse, ``max_times_sampled`` > 1) was trained: it just leaves.
+        """
+        first = next(iter(g.members.values())).meta if g.members else None
+        self.limiter.on_drop(len(g.members), g.times_sampled)
+        self._remove(g)
+        if first is None or g.times_sampled > 0 or self.keep_drawn:
+            return False
+        self.refill_lost(first, reason)
+        return True
+
+    def refill_lost(self, meta: SampleMeta, reason: str) -> None:
+        """Queue the regeneration of ``meta``'s group, whose payload was lost before it was ever trained."""
+        t = meta.tags
+        self.refills.append(RefillRequest(
+            group_uid=t.group_uid, prompt=t.prompt, n=t.group_size, round=self.refill_rounds.get(t.group_uid, 0),
+            reasons=[reason], seed=t.seed, epoch=t.epoch, global_step=t.global_step, source=self.source))
+        self.metrics.count("regenerated_groups")
+
     # ------------------------------------------------------------- removal
     def _remove(self, g: Group) -> None:
         for it in g.members.values():

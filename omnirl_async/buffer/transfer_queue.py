@@ -19,20 +19,34 @@ Who holds what:
 
 So one put is two actor calls (unit, controller) and one sample is one actor
 call plus one ``ray.get`` – per *group* and per *batch*, never per sample.
-Small payloads (under ``INLINE_BYTES``, e.g. a group of 4 KB samples) skip
+Small payloads (under ``transfer_queue.inline_max_bytes``, 64 KB: e.g. a group of 4 KB samples) skip
 the unit: they travel inside the controller call, live in the controller's
 heap and come back inside the sample reply – one call each way, since at
 that size a call costs more than the bytes.
 
-The price of durability is a second copy (producer -> unit argument, unit ->
-its own object). ``transfer_queue.producer_owned_payloads = true`` skips it:
-the producer ``ray.put`` s its payload itself (raw object-store speed), and
-data not yet consumed is lost if that producer dies. Why this and not the
-alternatives: ``ray.put(..., _owner=unit)`` would save
-the unit's copy, but Ray removed ``_owner`` in 2.56. Keeping the bytes in the
-units' Python heaps and returning them from a ``get`` costs one more copy per
-read and funnels every read through K Python processes. Placement is by *group* uid rather than by sample key so that a group,
-which is always read whole, is one object.
+Two ways to own a payload (``transfer_queue.producer_owned_payloads``):
+
+* **producer-owned** (the default): the producer ``ray.put`` s its group
+  itself – one object-store put, raw object-store speed – and registers the
+  ``ObjectRef`` and the metadata with the controller in one call, naming
+  itself (``producer``, the rollout worker id). Ray frees an object when its
+  owner dies, so the groups of a rollout worker that dies are lost unless
+  consumed; nothing is lost *for training* because they are generated again:
+  when the trainer learns of the death it calls :meth:`RayReplayBuffer.
+  drop_producer`, and a read that meets a dead owner (``ObjectLostError``)
+  leaves those rows out of the batch; either way the controller removes the
+  groups and queues a :class:`~omnirl_async.protocol.RefillRequest` for each
+  group never trained, which the trainer hands back to the prompt dispatcher
+  (same group uid and epoch, a new ticket), counted in
+  ``buffer/regenerated_groups``. A group already trained once (kept for reuse)
+  just leaves. Snapshots skip lost groups the same way.
+* **storage-unit-owned** (``false``): the producer sends its group to one of
+  the K units, which copies it into an object *it* owns – a second copy
+  (~7 ms per MB-sized put on 2 cores) – so the data outlives its producer.
+  For producers that may vanish between put and consume with no dispatcher to
+  lease their prompts again. Ray removed ``ray.put(..., _owner=unit)`` in 2.56,
+  which would have saved that copy. Placement is by *group* uid so that a
+  group, which is always read whole, is one object.
 
 :class:`RayReplayBuffer` is the client. It pickles to the actor handles
 (Reverb ``Client`` pickles to its address), so the same object works in the
@@ -62,7 +76,7 @@ __all__ = ["StorageUnit", "TransferQueueController", "RayReplayBuffer", "unit_fo
 _METAS = msgspec.msgpack.Decoder(list[SampleMeta])
 _ENC = msgspec.msgpack.Encoder()
 CONTROLLER_CONCURRENCY = 64
-INLINE_BYTES = 64 * 1024  # payloads below this travel inside the controller call
+LOST_REASON = "payload lost: its producer (a rollout worker) died before the group was trained"
 RPC_GRACE_S = 30.0  # extra wait for the remote call itself beyond the buffer's own timeout
 
 
@@ -106,6 +120,8 @@ class _Controller:
     def __init__(self, spec: BufferSpec, seed: int | None, units: list) -> None:
         self.core = BufferCore(spec, seed=seed)
         self.units = units
+        #: group uid -> producer of its payload, for payloads a producer owns (pruned as groups leave)
+        self.producer_of: dict[str, str] = {}
 
     def assert_healthy(self) -> int:
         ray.get([u.assert_healthy.remote() for u in self.units], timeout=60)
@@ -113,13 +129,32 @@ class _Controller:
 
     @_guard
     def put(self, metas_msgpack: bytes, wrapped_ref: list, spec: dict, row_nbytes: int,
-            timeout: float | None) -> int:
+            timeout: float | None, producer: str | None = None) -> int:
         metas = _METAS.decode(metas_msgpack)
         spec_ = {k: FieldSpec.from_list(v) for k, v in spec.items()}
         payload = wrapped_ref[0]
         if isinstance(payload, dict):  # inline: own a copy, not a view of the call's buffer
             payload = {k: np.array(v, copy=True) for k, v in payload.items()}
-        return self.core.put(metas, payload, spec_, row_nbytes, timeout=timeout)
+        n = self.core.put(metas, payload, spec_, row_nbytes, timeout=timeout)
+        if producer is not None and payload is not None and not isinstance(payload, dict):
+            self.producer_of.update((m.tags.group_uid, producer) for m in metas)
+            if len(self.producer_of) > 2 * self.core.size + 1024:  # forget groups that left
+                with self.core.cond:
+                    held = {g for t in self.core.tables.values() for g in t.groups}
+                self.producer_of = {g: p for g, p in self.producer_of.items() if g in held}
+        return n
+
+    @_guard
+    def drop_producer(self, producer: str) -> int:
+        """``producer`` died: its groups' payloads are gone; returns how many groups will be generated again."""
+        uids = [g for g, p in self.producer_of.items() if p == producer]
+        for g in uids:
+            del self.producer_of[g]
+        return self.core.lose_groups(uids, LOST_REASON)
+
+    @_guard
+    def lose_taken(self, metas_msgpack: bytes) -> int:
+        return self.core.lose_taken(_METAS.decode(metas_msgpack), LOST_REASON)
 
     @_guard
     def sample(self, batch_size: int, learner_version: int, timeout: float | None, source: Any):
@@ -172,9 +207,36 @@ class _Controller:
         raise ValueError(f"unknown controller call {name!r}")
 
     @_guard
-    def snapshot(self, path: str) -> None:
+    def snapshot(self, path: str) -> int:
+        """Write a snapshot; groups whose payload died with its producer are dropped (and regenerated) first.
+        Returns the number of such groups."""
         from omnirl_async.buffer.persistence import write_snapshot
-        write_snapshot(self.core, path, resolve=lambda p: p if isinstance(p, dict) else ray.get(p))
+        lost_total = 0
+        while True:
+            lost: list = []
+
+            def resolve(p):
+                if isinstance(p, dict):
+                    return p
+                try:
+                    return ray.get(p)
+                except ray.exceptions.ObjectLostError:
+                    lost.append(p)
+                    raise
+
+            try:
+                write_snapshot(self.core, path, resolve=resolve)
+                return lost_total
+            except ray.exceptions.ObjectLostError:
+                if not lost:
+                    raise
+                with self.core.cond:
+                    uids = {t_g for t in self.core.tables.values() for t_g, g in t.groups.items()
+                            if any(it.payload is lost[0] for it in g.members.values())}
+                if not uids:
+                    raise
+                self.core.lose_groups(sorted(uids), LOST_REASON)
+                lost_total += len(uids)
 
     @_guard
     def restore(self, path: str) -> None:
@@ -194,12 +256,13 @@ TransferQueueController = ray.remote(num_cpus=0, max_concurrency=CONTROLLER_CONC
 class RayReplayBuffer(ReplayBuffer):
     """Client of the transfer queue; see the module docstring. Build with :meth:`create`."""
 
-    def __init__(self, controller, units: list, default_timeout: float, producer_owned: bool = False, *,
-                 owner: bool = False) -> None:
+    def __init__(self, controller, units: list, default_timeout: float, producer_owned: bool = True,
+                 inline_max_bytes: int = 64 * 1024, *, owner: bool = False) -> None:
         self._controller = controller
         self._units = list(units)
         self._default_timeout = default_timeout
         self._producer_owned = producer_owned
+        self._inline_max_bytes = int(inline_max_bytes)
         self._owner = owner
 
     @classmethod
@@ -219,13 +282,14 @@ class RayReplayBuffer(ReplayBuffer):
                  for i in range(spec.transport.num_data_storage_units)]
         controller = TransferQueueController.options(**(controller_options or {})).remote(spec, seed, units)
         buf = cls(controller, units, float(spec.capacity.put_timeout_s), spec.transport.producer_owned_payloads,
-                  owner=True)
+                  spec.transport.inline_max_bytes, owner=True)
         ray.get(controller.assert_healthy.remote(), timeout=120)
         return buf
 
     def __reduce__(self):
         # Pickles to handles: a copy in another process is a client, never the owner (it won't kill actors).
-        return (RayReplayBuffer, (self._controller, self._units, self._default_timeout, self._producer_owned))
+        return (RayReplayBuffer, (self._controller, self._units, self._default_timeout, self._producer_owned,
+                                  self._inline_max_bytes))
 
     # ------------------------------------------------------------------ calls
     def _wait(self, ref, timeout: float | None):
@@ -239,57 +303,87 @@ class RayReplayBuffer(ReplayBuffer):
         return self._wait(self._controller.call.remote(name, *args), 0.0)
 
     # -------------------------------------------------------------------- API
-    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None) -> None:
+    def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None,
+            producer: str | None = None) -> None:
         metas, payload, spec, row_nbytes = prepare_put(metas, fields, copy=False)
         if not metas:
             return
         if not all(isinstance(m, SampleMeta) for m in metas):
             raise ValueError("put rejected: `metas` must hold SampleMeta")
-        ref = None
+        ref, owner = None, None
         if any(m.status is SampleStatus.SUCCESS for m in metas) and payload:
-            if sum(v.nbytes for v in payload.values()) < INLINE_BYTES:
+            if sum(v.nbytes for v in payload.values()) < self._inline_max_bytes:
                 ref = payload
-            elif self._producer_owned:  # one copy, but the data dies with this process
-                ref = ray.put(payload)
+            elif self._producer_owned:  # one copy; dies with this process (then regenerated, see above)
+                ref, owner = ray.put(payload), producer
             else:
                 unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
                 ref = ray.get(unit.store.remote(payload), timeout=self._default_timeout + RPC_GRACE_S)[0]
         self._wait(self._controller.put.remote(_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()},
-                                               row_nbytes, timeout), timeout)
+                                               row_nbytes, timeout, owner), timeout)
+
+    def drop_producer(self, producer: str) -> int:
+        return self._wait(self._controller.drop_producer.remote(str(producer)), 0.0)
 
     def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
                source: SampleSource | str | None = None) -> SampledBatch:
-        raw, parts, info = self._wait(self._controller.sample.remote(
-            batch_size, learner_version, timeout, None if source is None else SampleSource(source).value), timeout)
-        return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+        return self._batch(*self._wait(self._controller.sample.remote(
+            batch_size, learner_version, timeout, None if source is None else SampleSource(source).value), timeout))
 
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
-        raw, parts, info = self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)), 0.0)
-        return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+        return self._batch(*self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)),
+                                       0.0))
 
     def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
-        raw, parts, info = self._wait(self._controller.sample_offline.remote(int(num_online), int(learner_version)),
-                                      0.0)
-        return SampledBatch(metas=_METAS.decode(raw), fields=self._resolve(parts), info=info)
+        return self._batch(*self._wait(self._controller.sample_offline.remote(int(num_online),
+                                                                              int(learner_version)), 0.0))
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:
         return self._wait(self._controller.load_offline.remote(str(run_dir)), 600.0)
 
-    @staticmethod
-    def _fetch(parts) -> list:
-        """Replace ObjectRefs by their arrays (one ``ray.get`` for all); inline payloads pass through."""
-        refs = [p for p, _ in parts if not isinstance(p, dict)]
-        got = iter(ray.get(refs) if refs else [])
-        return [(p if isinstance(p, dict) else next(got), rows) for p, rows in parts]
+    def _batch(self, raw: bytes, parts, info) -> SampledBatch:
+        metas, local, info = self._fetch(_METAS.decode(raw), parts, info)
+        return SampledBatch(metas=metas, fields=assemble_fields(local), info=info)
 
-    def _resolve(self, parts, names=None):
-        return assemble_fields(self._fetch(parts), names)
+    def _fetch(self, metas: list[SampleMeta], parts, info: dict):
+        """Replace ObjectRefs by their arrays (one ``ray.get`` for all); inline payloads pass through.
+
+        Rows whose payload died with its producer (``ObjectLostError``) are left
+        out of ``(metas, parts, info)`` and reported to the controller, which
+        drops their groups and has those never trained generated again.
+        """
+        refs = [p for p, _ in parts if not isinstance(p, dict)]
+        try:
+            got = iter(ray.get(refs, timeout=self._default_timeout + RPC_GRACE_S) if refs else [])
+            return metas, [(p if isinstance(p, dict) else next(got), rows) for p, rows in parts], info
+        except ray.exceptions.ObjectLostError:
+            pass
+        local, keep, lost, start = [], [], [], 0
+        for p, rows in parts:
+            try:
+                arrays = p if isinstance(p, dict) else ray.get(p, timeout=self._default_timeout + RPC_GRACE_S)
+            except ray.exceptions.ObjectLostError:
+                arrays = None
+            span = range(start, start + len(rows))
+            start += len(rows)
+            if arrays is None:
+                lost.extend(metas[i] for i in span)
+            else:
+                local.append((arrays, rows))
+                keep.extend(span)
+        self._wait(self._controller.lose_taken.remote(_ENC.encode(lost)), 0.0)
+        return [metas[i] for i in keep], local, {k: np.asarray(v)[keep] for k, v in info.items()}
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
         raw, parts = self._wait(self._controller.get.remote(list(keys)), 0.0)
-        local = self._fetch(parts)
+        metas = _METAS.decode(raw)
+        kept, local, _ = self._fetch(metas, parts, {})
+        if len(kept) < len(metas):
+            gone = sorted({m.key for m in metas} - {m.key for m in kept})
+            raise KeyError(f"`keys`: the payload of {gone[:5]} died with its producer; their groups left the "
+                           "buffer (and are generated again if never trained)")
         check_field_names(local, fields)
-        return SampledBatch(metas=_METAS.decode(raw), fields=assemble_fields(local, fields))
+        return SampledBatch(metas=metas, fields=assemble_fields(local, fields))
 
     def size(self) -> int:
         return self._call("size")
@@ -318,7 +412,7 @@ class RayReplayBuffer(ReplayBuffer):
         return self._call("metrics")
 
     def snapshot(self, path: str) -> None:
-        self._wait(self._controller.snapshot.remote(str(path)), 600.0)
+        self._wait(self._controller.snapshot.remote(str(path)), 600.0)  # lost groups: dropped and regenerated
 
     def restore(self, path: str) -> None:
         self._wait(self._controller.restore.remote(str(path)), 600.0)

@@ -95,6 +95,12 @@ class TransferQueueConfig:
     total_storage_size: Any = opt(None, "Capacity in samples; null = bounded by memory_budget_bytes.", gt=0)
     memory_budget_bytes: int = opt(2 * 1024**3, "Capacity in bytes when total_storage_size is null.", gt=0)
     put_timeout_s: float = opt(600.0, "How long a producer blocks on a full queue before failing.", gt=0)
-    producer_owned_payloads: bool = opt(False, "Leave payloads owned by the producing worker: one copy less "
-                                        "(full object-store speed), but unconsumed samples of a worker that dies "
-                                        "are lost. Default false: storage units own the data.")
+    producer_owned_payloads: bool = opt(True, "Rollout workers own their payloads (one object-store put per "
+                                        "group, full object-store speed); the groups of a worker that dies before "
+                                        "they are trained are generated again (`buffer/regenerated_groups`). "
+                                        "false: storage units copy and own the data, so it outlives its producer "
+                                        "(a second copy per put).")
+    inline_max_bytes: int = opt(64 * 1024, "Payloads (a group's arrays) below this many bytes travel inside the "
+                                "controller call and are kept by the controller (one call, and they outlive their "
+                                "producer); larger ones go through the object store. 0 = always the object store.",
+                                ge=0)

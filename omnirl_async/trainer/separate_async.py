@@ -159,7 +159,9 @@ class SeparateAsyncTrainer(BaseTrainer):
             self._start_worker(i)
 
     def _recover_leases(self, worker_id: str) -> None:
-        """Leases of a dead worker: complete those whose group reached the buffer, release the rest."""
+        """Leases of a dead worker: complete those whose group reached the buffer, release the rest; then the
+        groups whose payload it owned (``transfer_queue.producer_owned_payloads``) and that were not trained
+        yet are dropped and generated again (``buffer/regenerated_groups``), so none is lost."""
         leases = self.dcall("outstanding", worker_id)
         landed = [x.lease_id for x in leases
                   if x.group_uid in self.consumed_groups or self.buffer.list_keys(group_uid=x.group_uid)]
@@ -168,6 +170,8 @@ class SeparateAsyncTrainer(BaseTrainer):
         rest = [x.lease_id for x in leases if x.lease_id not in landed]
         if rest:
             self.dcall("release", rest)
+        if self.buffer.drop_producer(worker_id):
+            self.requeue_refills()
 
     # ------------------------------------------------------------------ learner side
     def requeue_refills(self) -> int:
@@ -398,9 +402,11 @@ class SeparateAsyncTrainer(BaseTrainer):
     def summary(self) -> dict:
         stale = np.concatenate(self.all_staleness) if self.all_staleness else np.zeros(0)
         out = super().summary()
+        buf = self.buffer.metrics()
         out.update({"staleness_max": float(stale.max()) if stale.size else 0.0,
                     "staleness_mean": float(stale.mean()) if stale.size else 0.0,
-                    "dropped_samples": float(self.buffer.metrics().get("buffer/dropped_stale", 0.0)),
+                    "dropped_samples": float(buf.get("buffer/dropped_stale", 0.0)),
+                    "regenerated_groups": int(buf.get("buffer/regenerated_groups", 0)),
                     "learner_idle_frac": float(self.last_metrics.get("perf/learner_idle_frac", 1.0)),
                     "replaced_workers": self.replaced_workers, "threshold": self.threshold})
         if self.auto is not None:

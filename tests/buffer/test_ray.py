@@ -1,4 +1,5 @@
-"""The Ray transfer queue: many producers and consumers, producer death, snapshots, remote errors."""
+"""The Ray transfer queue: many producers and consumers, producer death (data kept or regenerated), snapshots,
+remote errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ ray = pytest.importorskip("ray")
 
 from conftest import buffer_cfg, check_rows, make_group, sampler_cfg, tq_cfg  # noqa: E402
 from omnirl_async.buffer import make_replay_buffer  # noqa: E402
-from omnirl_async.buffer.transfer_queue import INLINE_BYTES, RayReplayBuffer  # noqa: E402
+from omnirl_async.buffer.spec import TransportSpec  # noqa: E402
+from omnirl_async.buffer.transfer_queue import LOST_REASON, RayReplayBuffer  # noqa: E402
+
+INLINE_BYTES = TransportSpec().inline_max_bytes
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +56,28 @@ class Producer:
     def __init__(self, buf):
         self.buf = buf
 
-    def run(self, prefix: str, n_groups: int, dim: int = 3) -> int:
+    def run(self, prefix: str, n_groups: int, dim: int = 3, producer: str | None = None) -> int:
         for g in range(n_groups):
-            self.buf.put(*make_group(f"{prefix}g{g}", 4, dim=dim), timeout=60)
+            self.buf.put(*make_group(f"{prefix}g{g}", 4, dim=dim), timeout=60, producer=producer)
         return n_groups
+
+    def probe(self) -> list:
+        """An object this producer owns (wrapped: not resolved), to see when its death has freed its objects."""
+        return [ray.put(np.zeros(16))]
+
+
+def kill_and_wait_until_its_objects_are_gone(producer) -> None:
+    """Kill ``producer``; Ray frees the objects it owned a moment later (until then they still read)."""
+    [probe] = ray.get(producer.probe.remote(), timeout=60)
+    ray.kill(producer)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            ray.get(probe, timeout=10)
+        except ray.exceptions.ObjectLostError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("the killed producer's objects were still readable after 60 s")
 
 
 @ray.remote(num_cpus=0)
@@ -88,16 +110,103 @@ def test_four_producers_two_consumers_lose_and_duplicate_nothing(rbuf):
     assert m["buffer/inserted"] - before["buffer/inserted"] == m["buffer/sampled"] - before["buffer/sampled"] == 160
 
 
-@pytest.mark.parametrize("dim", [3, INLINE_BYTES // 4], ids=["inline", "storage-unit"])
-def test_data_outlives_its_producer(rbuf, dim):
-    p = Producer.remote(rbuf)
-    assert ray.get(p.run.remote("dead", 2, dim), timeout=60) == 2
-    ray.kill(p)
-    time.sleep(0.5)
-    batch = rbuf.sample(8, learner_version=0, timeout=30)
+@pytest.fixture(scope="module")
+def unit_buf(ray_session):
+    """Storage units own the payloads (``transfer_queue.producer_owned_payloads=false``)."""
+    b = make_replay_buffer(buffer_cfg(max_size=64), sampler_cfg(), tq_cfg(producer_owned_payloads=False),
+                           use_ray=True, seed=0)
+    yield b
+    b.close()
+
+
+@pytest.mark.parametrize("owned_by", ["controller", "unit"], ids=["inline", "storage-unit"])
+def test_data_outlives_its_producer(rbuf, unit_buf, owned_by):
+    buf = unit_buf if owned_by == "unit" else rbuf
+    buf.clear()
+    dim = INLINE_BYTES // 4 if owned_by == "unit" else 3
+    p = Producer.remote(buf)
+    assert ray.get(p.run.remote("dead", 2, dim, "w0"), timeout=60) == 2
+    kill_and_wait_until_its_objects_are_gone(p)
+    assert buf.drop_producer("w0") == 0  # nothing of it is lost
+    batch = buf.sample(8, learner_version=0, timeout=30)
     assert sorted(batch.keys) == sorted(f"deadg{g}/{i}" for g in range(2) for i in range(4))
     check_rows(batch)
     assert batch.fields["x"].shape == (8, dim)
+    assert buf.take_refill_requests() == []
+
+
+def _dead_producer_groups(buf, n_groups: int = 2) -> None:
+    """A producer puts ``n_groups`` object-store-sized groups it owns (the default), a live one puts one; the
+    first dies."""
+    dim = INLINE_BYTES // 4
+    dead, live = Producer.remote(buf), Producer.remote(buf)
+    assert ray.get(dead.run.remote("dead", n_groups, dim, "w0"), timeout=60) == n_groups
+    assert ray.get(live.run.remote("live", 1, dim, "w1"), timeout=60) == 1
+    kill_and_wait_until_its_objects_are_gone(dead)
+    return live
+
+
+@pytest.mark.slow  # waits for Ray to free a killed actor's objects (~5 s)
+def test_a_dead_producers_groups_are_regenerated_when_the_trainer_reports_the_death(rbuf):
+    keep = _dead_producer_groups(rbuf)
+    before = rbuf.metrics()["buffer/regenerated_groups"]
+    assert rbuf.drop_producer("w0") == 2
+    assert sorted(rbuf.list_keys()) == [f"liveg0/{i}" for i in range(4)]
+    refills = rbuf.take_refill_requests()
+    assert sorted(r.group_uid for r in refills) == ["deadg0", "deadg1"]
+    assert all(r.n == 4 and r.reasons == [LOST_REASON] and r.prompt == f"p-{r.group_uid}" for r in refills)
+    assert rbuf.metrics()["buffer/regenerated_groups"] - before == 2
+    assert rbuf.drop_producer("w0") == 0  # reported twice: nothing more
+    batch = rbuf.sample(4, learner_version=0, timeout=30)
+    assert batch.keys == [f"liveg0/{i}" for i in range(4)]
+    del keep
+
+
+@pytest.mark.slow  # waits for Ray to free a killed actor's objects (~5 s)
+def test_a_read_that_meets_a_dead_owner_leaves_those_rows_out_and_regenerates_them(rbuf):
+    keep = _dead_producer_groups(rbuf)
+    batch = rbuf.sample(12, learner_version=0, timeout=30)  # all three groups are drawn, two cannot be read
+    assert batch.keys == [f"liveg0/{i}" for i in range(4)]
+    assert batch.fields["x"].shape == (4, INLINE_BYTES // 4) and len(batch.info["staleness"]) == 4
+    check_rows(batch)
+    assert sorted(r.group_uid for r in rbuf.take_refill_requests()) == ["deadg0", "deadg1"]
+    assert rbuf.size() == 0
+    del keep
+
+
+@pytest.mark.slow  # waits for Ray to free a killed actor's objects (~5 s)
+def test_a_lost_group_already_trained_once_just_leaves(ray_session):
+    buf = make_replay_buffer(buffer_cfg(max_size=64, max_times_sampled=2), sampler_cfg(), tq_cfg(),
+                             use_ray=True, seed=0)
+    try:
+        keep = _dead_producer_groups(buf, n_groups=1)
+        assert buf.drop_producer("w0") == 1  # never drawn: generated again
+        buf.take_refill_requests()
+        p = Producer.remote(buf)
+        assert ray.get(p.run.remote("again", 1, INLINE_BYTES // 4, "w2"), timeout=60) == 1
+        got = buf.sample(8, learner_version=0, timeout=30)  # both live groups, drawn once (kept for reuse)
+        assert len(got) == 8
+        kill_and_wait_until_its_objects_are_gone(p)
+        assert buf.drop_producer("w2") == 0  # trained once already: it leaves, nothing to generate again
+        assert buf.take_refill_requests() == [] and sorted(buf.list_keys()) == [f"liveg0/{i}" for i in range(4)]
+        del keep
+    finally:
+        buf.close()
+
+
+@pytest.mark.slow  # waits for Ray to free a killed actor's objects (~5 s)
+def test_a_snapshot_skips_a_dead_producers_groups_and_regenerates_them(rbuf, tmp_path):
+    keep = _dead_producer_groups(rbuf)
+    rbuf.snapshot(str(tmp_path / "snap"))
+    assert sorted(rbuf.list_keys()) == [f"liveg0/{i}" for i in range(4)]
+    assert sorted(r.group_uid for r in rbuf.take_refill_requests()) == ["deadg0", "deadg1"]
+    other = make_replay_buffer(buffer_cfg(max_size=64), sampler_cfg(), tq_cfg(), use_ray=True)
+    try:
+        other.restore(str(tmp_path / "snap"))
+        assert sorted(other.list_keys()) == [f"liveg0/{i}" for i in range(4)]
+    finally:
+        other.close()
+    del keep
 
 
 def test_errors_come_back_with_their_type(rbuf):
@@ -149,3 +258,17 @@ def test_client_pickles_to_handles(rbuf):
     clone.put(*make_group("c", 2))
     clone.close()  # not the owner: the actors live on
     assert rbuf.size() == 2
+
+
+@pytest.mark.parametrize("inline_max_bytes, regenerated", [(64 * 1024, 0), (0, 1)])
+def test_inline_max_bytes_decides_whether_a_small_group_depends_on_its_producer(ray_session, inline_max_bytes,
+                                                                                 regenerated):
+    # inline, the controller keeps its own copy; through the object store, the producer owns it
+    buf = make_replay_buffer(buffer_cfg(max_size=64), sampler_cfg(), tq_cfg(inline_max_bytes=inline_max_bytes),
+                             use_ray=True, seed=0)
+    try:
+        buf.put(*make_group("small", 2), producer="w0")
+        assert buf.drop_producer("w0") == regenerated
+        assert buf.size() == 2 - 2 * regenerated
+    finally:
+        buf.close()

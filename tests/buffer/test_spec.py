@@ -42,7 +42,8 @@ KEYS: dict[str, tuple[str, object]] = {
     "capacity.memory_budget_bytes": ("transfer_queue.memory_budget_bytes", 1024),
     "capacity.put_timeout_s": ("transfer_queue.put_timeout_s", 5.0),
     "transport.num_data_storage_units": ("transfer_queue.num_data_storage_units", 3),
-    "transport.producer_owned_payloads": ("transfer_queue.producer_owned_payloads", True),
+    "transport.producer_owned_payloads": ("transfer_queue.producer_owned_payloads", False),
+    "transport.inline_max_bytes": ("transfer_queue.inline_max_bytes", 0),
     "offline_mix_ratio": ("buffer.offline_mix_ratio", 0.25),
 }
 
@@ -176,6 +177,7 @@ BAD = [
     ({"transfer_queue.memory_budget_bytes": 0}, r"`transfer_queue.memory_budget_bytes` = 0"),
     ({"transfer_queue.put_timeout_s": 0.0}, r"`transfer_queue.put_timeout_s` = 0.0"),
     ({"transfer_queue.producer_owned_payloads": "yes"}, r"`transfer_queue.producer_owned_payloads` = 'yes'"),
+    ({"transfer_queue.inline_max_bytes": -1}, r"`transfer_queue.inline_max_bytes` = -1"),
 ]
 
 

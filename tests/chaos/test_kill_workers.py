@@ -2,11 +2,16 @@
 
 A separate_async run (threshold 1, ``wait``) trains while a thread kills a
 random rollout worker every ``KILL_EVERY_S`` seconds for ``CHAOS_SECONDS``
-(default 120). The trainer replaces each dead worker and returns its leases.
+(default 120). The trainer replaces each dead worker and returns its leases. Payloads go
+through the object store, owned by the worker that made them (the default
+``producer_owned_payloads``, with ``inline_max_bytes=0`` so that even these
+small groups do): a killed worker's groups not yet trained are lost with it and
+generated again (``buffer/regenerated_groups``).
 Checked: the job makes progress, every trained prompt was trained exactly
-once and the trained prompts are exactly the first ``steps * batch`` prompts
-of the epoch (nothing lost in between), and no trained sample lags by more
-than the threshold. Run as a script to print the figures.
+once, every prompt handed out was trained or is still queued (to be generated
+again, or trained) when the run ends (nothing lost in between), lost groups were
+regenerated, and no trained sample lags by more than the threshold. Run as a
+script to print the figures.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ def run(run_dir: Path, *, seconds: float = CHAOS_SECONDS, every: float = KILL_EV
     plist = prompts(144)
     cfg = load_config(overrides(run_dir, plist, "data.train_batch_size=2", "trainer.resume_mode=disable",
                                 "trainer.v1.sampler.max_off_policy_threshold=1",
-                                f"trainer.total_time_minutes={seconds / 60 + 0.25}", "trainer.wait_timeout_s=120"))
+                                f"trainer.total_time_minutes={seconds / 60 + 0.25}", "trainer.wait_timeout_s=120",
+                                "transfer_queue.inline_max_bytes=0"))
     trainer = SeparateAsyncTrainer(cfg, plist, printer=lambda *a: None, worker_slowdowns=[0.4, 0.4])
     kills: list[float] = []
     stop = threading.Event()
@@ -56,6 +62,9 @@ def run(run_dir: Path, *, seconds: float = CHAOS_SECONDS, every: float = KILL_EV
     thread.start()
     try:
         summary = trainer.fit()
+        state = trainer.dcall("get_state")  # what is still to be (re)generated or trained when the run ended
+        queued = {p["prompt"] for p in state["pending"] + state["untrained"]}
+        leased = set(plist[:state["cursor"]])  # every prompt handed out so far (one epoch, not shuffled)
     finally:
         stop.set()
         thread.join()
@@ -65,7 +74,8 @@ def run(run_dir: Path, *, seconds: float = CHAOS_SECONDS, every: float = KILL_EV
     steps = summary["global_step"]
     return {"wall_s": time.monotonic() - t0, "kills": len(kills), "replaced": summary["replaced_workers"],
             "steps": steps, "trained_prompts": sum(trained.values()), "duplicates": sum(c - 1 for c in trained.values()),
-            "lost": len(set(plist[:steps * 2]) - set(trained)), "unexpected": len(set(trained) - set(plist[:steps * 2])),
+            "leased": len(leased), "lost": len(leased - set(trained) - queued), "queued_at_end": len(queued),
+            "regenerated": summary["regenerated_groups"], "unexpected": len(set(trained) - leased),
             "max_lag": max(lags) if lags else 0, "threshold": 1, "dropped_stale": summary["dropped_samples"],
             "empty_steps": summary["empty_steps"], "reward_failed": summary["reward_failed"]}
 
@@ -80,6 +90,8 @@ def test_killing_rollout_workers_for_two_minutes_loses_and_duplicates_nothing(tm
     assert out["kills"] >= CHAOS_SECONDS / KILL_EVERY_S / 2 and out["replaced"] >= out["kills"] // 2
     assert out["steps"] >= 10  # it made progress while being killed
     assert out["duplicates"] == 0 and out["lost"] == 0 and out["unexpected"] == 0
+    assert out["leased"] >= out["steps"] * 2  # every update's prompts are accounted for
+    assert out["regenerated"] >= 1  # the fast path was exercised: killed workers' groups were generated again
     assert out["max_lag"] <= out["threshold"]
 
 
