@@ -1,25 +1,42 @@
-"""Transfer-queue throughput against raw ``ray.put``/``ray.get`` and ``ray.util.queue.Queue``.
+"""Replay-buffer transfer throughput beside plain Ray and TransferQueue (issue 18), and sampling cost.
 
-    .venv/bin/python benchmarks/bench_buffer.py [--quick]
+    .venv/bin/python benchmarks/bench_buffer.py [--quick] [--sizes 4KB,1MB] [--producers 1,4] [--per-put 8]
 
-Part 1 – put+get throughput. For 4 KB, 1 MB and 16 MB samples and 1, 2, 4
-producer actors with one consumer (the driver), the same samples cross:
+Part 1 – put+get throughput, one run, the workload of issue 18. P producer
+actors (1, 2, 4) and one consumer (the driver); samples of 4 KB, 1 MB and
+16 MB; a producer puts one sample per put or a group of 8 per put; the
+consumer reads batches of 8 samples. Every sample carries an id and the
+consumer checks that each was received exactly once (column ``once``; a
+miss or a duplicate prints the ids and makes the script exit 1). The same
+samples cross four transports:
 
-* ``raw``    – each producer ``ray.put`` s its payloads and hands the refs over;
-               the consumer ``ray.get`` s them (the object store's own speed,
-               no queue, no metadata);
-* ``queue``  – ``ray.util.queue.Queue``: one ``put``/``get`` per sample, its
-               idiomatic use;
-* ``buffer`` – this project's RayReplayBuffer: one put per group, one sample
-               call per group (``SampleMeta`` + fields, rate and staleness
-               checks included); payloads owned by the storage units
-               (durable: two copies);
-* ``fast``   – the same with ``transfer_queue.producer_owned_payloads=true``
-               (one copy; unconsumed data dies with its producer).
+* ``raw``     – the object store's own speed: the producer ``ray.put`` s each put
+                (one sample, or the group of 8 as one dict of numpy arrays) and
+                hands the ``ObjectRef`` s to the consumer, a batch's worth per actor
+                call (all calls queued up front), who ``ray.get`` s them. No metadata, no queue logic;
+* ``tq``      – TransferQueue 0.1.11 (``pip install -e .[transferqueue]``), the
+                way its tutorial streams: ``tq.init`` with ``polling_mode`` (its own
+                controller and 2 SimpleStorage units, talking over ZMQ), producers
+                ``client.put(TensorDict, partition_id)``, the consumer
+                ``get_meta(task_name=...)`` + ``get_data`` (retried after 5 ms when
+                empty) and ``clear_partition`` at the end of each round. Skipped
+                with a message when the package is missing;
+* ``buffer``  – this project's RayReplayBuffer, defaults: producer-owned payloads
+                (one ``ray.put`` + one controller call per put; under 64 KB the
+                bytes ride inside the controller call), one ``sample`` per batch;
+* ``durable`` – the same with ``producer_owned_payloads=false``: a storage-unit
+                actor copies each put into an object it owns (survives its producer).
 
-Groups: 8 samples at 4 KB, 4 at 1 MB, 1 at 16 MB. Consumers do not touch the
-bytes (all three return zero-copy views). Printed: samples/s, MB/s and the
-ratios buffer/raw and buffer/queue.
+Read it: samples/s per transport (higher is better) and the ratios buffer/raw,
+buffer/tq, durable/raw. ``raw`` is the ceiling (the buffer adds metadata,
+sampling, staleness and rate checks on top of the same object store). Below
+the table, issue 18's goals with the worst ratio over the producer counts and
+met / not met. Samples flow in rounds (each producer makes k puts, the
+consumer drains them concurrently) so that at most ~256 MB (at least one put
+per producer, 512 MB for 4 x 128 MB) is in flight: the object store is 1 GB.
+Rates are samples over the summed round times; actors start, and each
+transport is warmed up, outside the timed regions. On a loaded 2-core machine
+expect ±20 % between runs.
 
 Part 2 – sampling cost with 10^3 and 10^5 stored samples for every sampler
 (in-process core; the controller runs the same code).
@@ -29,13 +46,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
 
 import numpy as np
 import ray
-from ray.util.queue import Queue
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -44,8 +61,16 @@ from omnirl_async.buffer.spec import BufferSpec, CapacitySpec, StalenessSpec, Ta
 from omnirl_async.buffer.transfer_queue import RayReplayBuffer  # noqa: E402
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags  # noqa: E402
 
-SIZES = [("4KB", 4 * 1024, 8, 2048), ("1MB", 1024**2, 4, 256), ("16MB", 16 * 1024**2, 1, 48)]
+#: label, bytes per sample, samples per cell (full run)
+SIZES = [("4KB", 4 * 1024, 1024), ("1MB", 1024**2, 512), ("16MB", 16 * 1024**2, 64)]
+QUICK_SAMPLES = {"4KB": 128, "1MB": 32, "16MB": 16}
 PRODUCERS = [1, 2, 4]
+PER_PUT = [1, 8]
+BATCH = 8  # samples per consumer read
+ROUND_BYTES = 256 * 1024**2  # in flight per round (at least one put per producer)
+TQ_POLL_S = 0.005
+TQ_INSTALL = "pip install -e .[transferqueue]  (or .venv/bin/pip install transferqueue==0.1.11)"
+TRANSPORTS = ["raw", "tq", "buffer", "durable"]
 
 
 def metas_for(prefix: str, g: int, n: int) -> list[SampleMeta]:
@@ -57,88 +82,237 @@ def metas_for(prefix: str, g: int, n: int) -> list[SampleMeta]:
 
 @ray.remote(num_cpus=0)
 class Producer:
-    def __init__(self, nbytes: int, group: int) -> None:
-        self.group = group
-        self.payload = {"x": np.ones((group, nbytes // 4), dtype=np.float32)}
-        self.sample = {"x": np.ones((nbytes // 4,), dtype=np.float32)}
+    """Makes the payloads once per (size, per_put); each put carries fresh sample ids."""
 
-    def raw(self, n_groups: int) -> list:
-        return [[ray.put(self.payload) for _ in range(n_groups)]]  # wrapped: refs, not values
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.x: np.ndarray | None = None
+        self.tq = None
 
-    def queue(self, q, n_groups: int) -> int:
-        for _ in range(n_groups * self.group):
-            q.put(self.sample, timeout=120)
-        return 0
+    def prepare(self, nbytes: int, per_put: int) -> None:
+        self.x = np.ones((per_put, nbytes // 4), dtype=np.float32)
 
-    def buffer(self, buf, prefix: str, n_groups: int) -> int:
-        for g in range(n_groups):
-            buf.put(metas_for(prefix, g, self.group), self.payload, timeout=120)
-        return 0
+    def tq_attach(self) -> None:
+        import transfer_queue as tq
+        tq.init()  # a controller exists: attaches a client to it
+        self.tq = tq.get_client()
+
+    def _ids(self, base: int, k: int) -> np.ndarray:
+        n = self.x.shape[0]
+        return np.arange(base + k * n, base + (k + 1) * n, dtype=np.int64).reshape(n, 1)
+
+    def raw(self, n_puts: int, base: int, first: int) -> list:
+        """Puts ``first`` .. ``first + n_puts - 1``; returns their refs, wrapped (refs, not values)."""
+        return [[ray.put({"x": self.x, "id": self._ids(base, k)}) for k in range(first, first + n_puts)]]
+
+    def tq_put(self, partition: str, n_puts: int, base: int) -> int:
+        import torch
+        from tensordict import TensorDict
+        x = torch.from_numpy(self.x)
+        for k in range(n_puts):
+            self.tq.put(TensorDict({"x": x, "id": torch.from_numpy(self._ids(base, k))},
+                                   batch_size=(self.x.shape[0],)), partition_id=partition)
+        return n_puts
+
+    def buffer(self, buf, prefix: str, n_puts: int, base: int) -> int:
+        for k in range(n_puts):
+            buf.put(metas_for(prefix, base + k, self.x.shape[0]), {"x": self.x, "id": self._ids(base, k)},
+                    timeout=120, producer=f"p{self.index}")
+        return n_puts
 
 
-def run_raw(producers, n_groups_each: int) -> None:
-    lists = ray.get([p.raw.remote(n_groups_each) for p in producers])
-    for wrapped in lists:
-        for ref in wrapped[0]:
-            ray.get(ref)
+# ---------------------------------------------------------------- one round per transport: returns the ids read
+def round_raw(producers, n_puts: int, bases: list[int], per_put: int) -> list[np.ndarray]:
+    # refs are handed over one consumer batch at a time; all calls are queued up front, so each producer
+    # keeps putting while the consumer reads (a streaming generator yielding refs trips Ray 2.60's ref counting)
+    c = max(1, BATCH // per_put)
+    calls = [[p.raw.remote(min(c, n_puts - j), b, j) for j in range(0, n_puts, c)] for p, b in zip(producers, bases)]
+    got, pending = [], []
+    for j in range(len(calls[0])):
+        for per_producer in calls:
+            pending.extend(ray.get(per_producer[j])[0])
+            if len(pending) * per_put >= BATCH:
+                got.extend(d["id"] for d in ray.get(pending))
+                pending = []
+    if pending:
+        got.extend(d["id"] for d in ray.get(pending))
+    return got
 
 
-def run_queue(q, producers, n_groups_each: int, group: int) -> None:
-    done = [p.queue.remote(q, n_groups_each) for p in producers]
-    for _ in range(n_groups_each * group * len(producers)):
-        q.get(timeout=120)
+def round_tq(client, producers, n_puts: int, bases: list[int], per_put: int, partition: str) -> list[np.ndarray]:
+    done = [p.tq_put.remote(partition, n_puts, b) for p, b in zip(producers, bases)]
+    total, got, n = n_puts * per_put * len(producers), [], 0
+    while n < total:
+        meta = client.get_meta(data_fields=["x", "id"], batch_size=min(BATCH, total - n), partition_id=partition,
+                               task_name="bench")
+        if meta.size == 0:
+            time.sleep(TQ_POLL_S)
+            continue
+        ids = client.get_data(meta)["id"]  # a nested (jagged) tensor when rows come from several puts
+        got.extend(t.numpy() for t in ids.unbind())
+        n += meta.size
     ray.get(done)
+    client.clear_partition(partition_id=partition)
+    return got
 
 
-def run_buffer(buf, producers, n_groups_each: int, group: int, tag: str) -> None:
-    done = [p.buffer.remote(buf, f"{tag}-{i}", n_groups_each) for i, p in enumerate(producers)]
-    for _ in range(n_groups_each * len(producers)):
-        buf.sample(group, learner_version=0, timeout=120)
+def round_buffer(buf, producers, n_puts: int, bases: list[int], per_put: int, prefix: str) -> list[np.ndarray]:
+    done = [p.buffer.remote(buf, f"{prefix}-p{i}", n_puts, b) for i, (p, b) in enumerate(zip(producers, bases))]
+    total, got, n = n_puts * per_put * len(producers), [], 0
+    while n < total:
+        batch = buf.sample(min(BATCH, total - n), learner_version=0, timeout=120)
+        got.append(np.asarray(batch.fields["id"]))
+        n += len(batch.metas)
     ray.get(done)
+    return got
 
 
-def throughput(quick: bool) -> None:
-    print(f"{'size':>5} {'prod':>4} | {'raw smp/s':>10} {'MB/s':>7} | {'queue smp/s':>11} {'MB/s':>7} | "
-          f"{'buffer smp/s':>12} {'MB/s':>7} | {'fast smp/s':>10} {'MB/s':>7} | {'buf/raw':>7} "
-          f"{'buf/queue':>9} {'fast/raw':>8} {'fast/queue':>10}")
-    # actors are started outside the timed regions: starting one costs seconds on a loaded 2-core box
+def check_once(got: list[np.ndarray], expected: np.ndarray, where: str) -> str | None:
+    """None when every expected id came exactly once; else what went wrong."""
+    ids = np.concatenate([np.asarray(g).reshape(-1) for g in got]) if got else np.zeros(0, np.int64)
+    uniq, counts = np.unique(ids, return_counts=True)
+    missing = np.setdiff1d(expected, uniq)
+    extra = np.setdiff1d(uniq, expected)
+    dup = uniq[counts > 1]
+    if len(ids) == len(expected) and not len(missing) and not len(extra) and not len(dup):
+        return None
+    return (f"{where}: received {len(ids)} samples, expected {len(expected)}; missing {missing[:5].tolist()} "
+            f"({len(missing)}), duplicated {dup[:5].tolist()} ({len(dup)}), unknown {extra[:5].tolist()}")
+
+
+class Bench:
+    def __init__(self, tq_client, buf, durable, producers: list) -> None:
+        self.tq_client, self.buf, self.durable, self.producers = tq_client, buf, durable, producers
+        self.next_base = 0  # sample ids never repeat within the run
+        self.failures: list[str] = []
+        self.rounds = 0
+
+    def run(self, transport: str, producers, n_puts: int, rounds: int, per_put: int, where: str) -> float:
+        """``rounds`` rounds of ``n_puts`` puts per producer; returns samples/s (NaN if not exactly once)."""
+        elapsed, ok = 0.0, True
+        for _ in range(rounds):
+            bases = []
+            for _p in producers:
+                bases.append(self.next_base)
+                self.next_base += n_puts * per_put
+            expected = np.concatenate([np.arange(b, b + n_puts * per_put) for b in bases])
+            self.rounds += 1
+            t = time.perf_counter()
+            if transport == "raw":
+                got = round_raw(producers, n_puts, bases, per_put)
+            elif transport == "tq":
+                got = round_tq(self.tq_client, producers, n_puts, bases, per_put, f"r{self.rounds}")
+            else:
+                buf = self.buf if transport == "buffer" else self.durable
+                got = round_buffer(buf, producers, n_puts, bases, per_put, f"r{self.rounds}")
+            elapsed += time.perf_counter() - t
+            err = check_once(got, expected, f"{transport} {where}")
+            if err:
+                print(f"EXACT-ONCE FAILED: {err}", file=sys.stderr, flush=True)
+                self.failures.append(err)
+                ok = False
+        return rounds * n_puts * per_put * len(producers) / elapsed if ok else float("nan")
+
+
+def plan(total: int, nbytes: int, per_put: int, n_prod: int) -> tuple[int, int]:
+    """(puts per producer per round, rounds): ~``total`` samples, rounds within ROUND_BYTES, batches whole."""
+    put_bytes = nbytes * per_put
+    puts_each = max(1, total // (per_put * n_prod))
+    k = min(puts_each, max(1, ROUND_BYTES // (put_bytes * n_prod)))
+    step = BATCH // math.gcd(BATCH, per_put * n_prod)  # samples per round: a multiple of the batch
+    k = max(step, k // step * step)
+    return k, max(1, round(puts_each / k))
+
+
+def fmt(x: float, w: int, d: int = 0) -> str:
+    return f"{'-':>{w}}" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:>{w}.{d}f}"
+
+
+def throughput(args) -> list[str]:
+    sizes = [s for s in SIZES if s[0] in args.sizes]
+    n_max = max(args.producers)
+    t_start = time.time()
     spec = BufferSpec(table=TableSpec(sampler="fifo", max_size=1 << 20), staleness=StalenessSpec(threshold=None),
-                      capacity=CapacitySpec(memory_budget_bytes=256 * 1024**2),
-                      transport=TransportSpec(num_data_storage_units=2))
+                      capacity=CapacitySpec(memory_budget_bytes=768 * 1024**2))
+    # actors are started outside the timed regions: starting one costs seconds on a loaded 2-core box
     buf = RayReplayBuffer.create(spec)
-    fast = RayReplayBuffer.create(dataclasses.replace(
-        spec, transport=TransportSpec(num_data_storage_units=2, producer_owned_payloads=True)))
-    q = Queue(maxsize=64)
-    for label, nbytes, group, total in SIZES:
-        if quick:
-            total //= 4
-        for n_prod in PRODUCERS:
-            producers = [Producer.remote(nbytes, group) for _ in range(n_prod)]
-            ray.get([p.__ray_ready__.remote() for p in producers])
-            buf.clear()  # a new schema per sample size
-            fast.clear()
-            n_groups_each = max(1, total // group // n_prod)
-            n = n_groups_each * group * n_prod
-            rates = {}
-            for name, fn in [("raw", lambda: run_raw(producers, n_groups_each)),
-                             ("queue", lambda: run_queue(q, producers, n_groups_each, group)),
-                             ("buffer", lambda: run_buffer(buf, producers, n_groups_each, group,
-                                                           f"{label}-{n_prod}")),
-                             ("fast", lambda: run_buffer(fast, producers, n_groups_each, group,
-                                                         f"{label}-{n_prod}"))]:
-                t = time.perf_counter()
-                fn()
-                rates[name] = n / (time.perf_counter() - t)
-            mb = nbytes / 1024**2
-            print(f"{label:>5} {n_prod:>4} | {rates['raw']:>10.0f} {rates['raw'] * mb:>7.0f} | "
-                  f"{rates['queue']:>11.0f} {rates['queue'] * mb:>7.0f} | {rates['buffer']:>12.0f} "
-                  f"{rates['buffer'] * mb:>7.0f} | {rates['fast']:>10.0f} {rates['fast'] * mb:>7.0f} | "
-                  f"{rates['buffer'] / rates['raw']:>7.2f} {rates['buffer'] / rates['queue']:>9.2f} "
-                  f"{rates['fast'] / rates['raw']:>8.2f} {rates['fast'] / rates['queue']:>10.2f}", flush=True)
-            for p in producers:
-                ray.kill(p)
-    buf.close()
-    fast.close()
+    durable = RayReplayBuffer.create(dataclasses.replace(spec, transport=TransportSpec(producer_owned_payloads=False)))
+    producers = [Producer.remote(i) for i in range(n_max)]
+    ray.get([p.__ray_ready__.remote() for p in producers])
+    print(f"actors up in {time.time() - t_start:.0f} s")
+    tq_client, tq = None, None
+    try:
+        import logging
+
+        os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))  # TQ's own clamp, silenced
+
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+        logging.getLogger("transfer_queue").setLevel(logging.WARNING)
+        tq.init(OmegaConf.create({"controller": {"polling_mode": True},
+                                  "backend": {"SimpleStorage": {"num_data_storage_units": 2}}}))
+        tq_client = tq.get_client()
+        ray.get([p.tq_attach.remote() for p in producers])
+        print(f"TransferQueue {tq.__version__}: controller + 2 SimpleStorage units, polling consumer")
+    except ImportError as exc:
+        print(f"tq skipped: TransferQueue is not installed ({exc}); install it with: {TQ_INSTALL}")
+    transports = [t for t in TRANSPORTS if t != "tq" or tq_client is not None]
+    bench = Bench(tq_client, buf, durable, producers)
+    print(f"\n{'size':>5} {'put':>3} {'prod':>4} {'rounds':>9} | {'raw smp/s':>9} {'tq smp/s':>9} {'buffer smp/s':>12} "
+          f"{'durable':>8} {'buf MB/s':>8} | {'buf/raw':>7} {'buf/tq':>6} {'dur/raw':>7} | once")
+    rows = []
+    try:
+        for label, nbytes, total in sizes:
+            total = QUICK_SAMPLES[label] if args.quick else total
+            for per_put in args.per_put:
+                ray.get([p.prepare.remote(nbytes, per_put) for p in producers])
+                buf.clear()  # a new schema per sample size
+                durable.clear()
+                warm = producers[:1] if args.quick else producers
+                for t in transports:  # warm-up, untimed: one round, one put (or one batch) per producer
+                    bench.run(t, warm, plan(1, nbytes, per_put, len(warm))[0], 1, per_put, f"{label} warm-up")
+                for n_prod in args.producers:
+                    k, rounds = plan(total, nbytes, per_put, n_prod)
+                    where = f"{label} x{per_put}/put, {n_prod} producers"
+                    n_fail = len(bench.failures)
+                    r = {t: bench.run(t, producers[:n_prod], k, rounds, per_put, where) for t in transports}
+                    r.setdefault("tq", float("nan"))
+                    ok = len(bench.failures) == n_fail
+                    rows.append((label, nbytes, per_put, n_prod, r))
+                    print(f"{label:>5} {per_put:>3} {n_prod:>4} {f'{rounds}x{k * per_put * n_prod}':>9} | "
+                          f"{fmt(r['raw'], 9)} {fmt(r['tq'], 9)} {fmt(r['buffer'], 12)} {fmt(r['durable'], 8)} "
+                          f"{fmt(r['buffer'] * nbytes / 1024**2, 8)} | {fmt(r['buffer'] / r['raw'], 7, 2)} "
+                          f"{fmt(r['buffer'] / r['tq'], 6, 2)} {fmt(r['durable'] / r['raw'], 7, 2)} | "
+                          f"{'ok' if ok else 'FAIL'}", flush=True)
+    finally:
+        if tq is not None:
+            tq.close()
+        buf.close()
+        durable.close()
+        for p in producers:
+            ray.kill(p)
+    goals(rows, tq_client is not None)
+    return bench.failures
+
+
+def goals(rows, have_tq: bool) -> None:
+    """Issue 18's 'done when' figures: the worst ratio over the producer counts measured."""
+    print("\nissue 18 goals (worst over producer counts):")
+    checks = [("buffer/raw >= 0.9 at >= 1 MB, groups of 8", lambda s, g: s >= 1024**2 and g == 8, "raw", 0.9),
+              ("buffer/tq  >= 3   at >= 1 MB, groups of 8", lambda s, g: s >= 1024**2 and g == 8, "tq", 3.0),
+              ("buffer/tq  >= 10  at 4 KB, groups of 8", lambda s, g: s < 64 * 1024 and g == 8, "tq", 10.0),
+              ("buffer/tq  >= 2   at 1 MB, one sample per put", lambda s, g: s == 1024**2 and g == 1, "tq", 2.0)]
+    for name, sel, ref, target in checks:
+        ratios = [r["buffer"] / r[ref] for _l, s, g, _p, r in rows if sel(s, g)]
+        if ref == "tq" and not have_tq:
+            print(f"  {name}: n/a (TransferQueue not installed)")
+        elif not ratios:
+            print(f"  {name}: n/a (not measured in this run)")
+        elif any(math.isnan(x) for x in ratios):
+            print(f"  {name}: not met (a transport failed exactly-once)")
+        else:
+            worst = min(ratios)
+            print(f"  {name}: {worst:.2f}x  {'met' if worst >= target else 'NOT MET'}")
 
 
 def sampling_cost(quick: bool) -> None:
@@ -163,21 +337,38 @@ def sampling_cost(quick: bool) -> None:
         print(f"{sampler:>12} | {cost[1_000]:>10.0f} | {cost[100_000]:>10.0f} | {cost[100_000] / cost[1_000]:.2f}")
 
 
+def _list(kind, choices):
+    def parse(text: str):
+        out = [kind(v) for v in text.split(",") if v]
+        bad = [v for v in out if v not in choices]
+        if bad or not out:
+            raise argparse.ArgumentTypeError(f"{text!r}: choose from {','.join(map(str, choices))}")
+        return out
+    return parse
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a quarter of the samples (smoke run)")
+    ap.add_argument("--quick", action="store_true", help="few samples per cell (smoke run, under 2 minutes)")
+    ap.add_argument("--sizes", type=_list(str, [s[0] for s in SIZES]), default=[s[0] for s in SIZES],
+                    help="comma list of 4KB,1MB,16MB")
+    ap.add_argument("--producers", type=_list(int, PRODUCERS), default=PRODUCERS, help="comma list of 1,2,4")
+    ap.add_argument("--per-put", type=_list(int, PER_PUT), default=PER_PUT, help="samples per put: 1,8")
     ap.add_argument("--num-cpus", type=int, default=8)
     args = ap.parse_args()
     t0 = time.time()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, object_store_memory=1024 * 1024**2,
              log_to_driver=False, configure_logging=False)
     try:
-        print(f"ray {ray.__version__}, {os.cpu_count()} CPUs visible\n")
-        throughput(args.quick)
+        print(f"ray {ray.__version__}, {os.cpu_count()} CPUs visible")
+        failures = throughput(args)
     finally:
         ray.shutdown()
     sampling_cost(args.quick)
     print(f"\ntotal {time.time() - t0:.0f} s")
+    if failures:
+        print(f"\n{len(failures)} exact-once failure(s):\n  " + "\n  ".join(failures), file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
