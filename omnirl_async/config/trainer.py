@@ -137,8 +137,9 @@ class TrainerConfig:
     save_freq: int = opt(-1, "Checkpoint every N steps; <= 0 only at the end.")
     test_freq: int = opt(-1, "Validate every N steps; <= 0 never during training.")
     val_before_train: bool = opt(False, "Validate once before training.")
-    resume_mode: str = opt("auto", "auto (latest checkpoint in default_local_dir), disable, or resume_path.",
-                           choices=("auto", "disable", "resume_path"))
+    resume_mode: str = opt("auto", "auto (latest checkpoint in default_local_dir), disable (a fresh run: an earlier "
+                                   "run's checkpoints there move to default_local_dir/superseded/<time>/), or "
+                                   "resume_path.", choices=("auto", "disable", "resume_path"))
     resume_from_path: Any = opt(None, "Checkpoint folder for resume_mode=resume_path.")
     default_local_dir: str = opt("checkpoints/${trainer.project_name}/${trainer.experiment_name}",
                                  "Where checkpoints go.")

@@ -38,6 +38,7 @@ from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_
 from omnirl_async.trainer.failures import FailureMonitor
 from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs
 from omnirl_async.trainer.run_dir import config_dict
+from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
 
 __all__ = ["BaseTrainer", "StepResult"]
@@ -72,8 +73,7 @@ class BaseTrainer:
             placement=lambda i: self.placements.options("reward", i))
         self.workers = [self.make_worker(i) for i in range(0 if self.offline.only else aro.rollout.num_workers)]
         self._validator = None  # sample_source=offline: one worker actor for validation, started when needed
-        self.learners = LearnerGroup(config, use_ray=True,
-                                     num_threads=max(1, int(config.learner.num_cpus_per_worker)))
+        self.learners = self.make_learners()
         self._await_workers_started(float(config.trainer.wait_timeout_s))
         self.version = 0
         self.global_step = 0
@@ -130,6 +130,11 @@ class BaseTrainer:
     def updates_per_version(self) -> int:
         """Learner updates between weight publications (``parameter_sync_step``; sync: every update)."""
         return 1
+
+    def make_learners(self) -> LearnerGroup:
+        """The learner group (``learner.num_workers`` Ray actors); ``benchmarks/bench_scale.py`` stands in its own."""
+        return LearnerGroup(self.config, use_ray=True,
+                            num_threads=max(1, int(self.config.learner.num_cpus_per_worker)))
 
     def make_worker(self, index: int, **options):
         import ray
@@ -196,6 +201,11 @@ class BaseTrainer:
         """Restore learner, driver, prompt cursor and buffer from a checkpoint; ``fit`` then publishes once."""
         folder = self.find_checkpoint()
         if folder is None:
+            if self.config.trainer.resume_mode == "disable":
+                moved = self.ckpt.set_aside(extra=(TRAINED_LOG_FILE,))
+                if moved is not None:
+                    self.printer(f"trainer.resume_mode=disable starts a fresh run: the earlier run's checkpoints "
+                                 f"in {self.ckpt.root} were moved to {moved} (kept, never mixed with this run's)")
             return False
         self.learners.set_state(load_state(folder, "learner"))
         state = load_state(folder, "trainer")

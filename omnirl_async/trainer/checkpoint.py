@@ -61,6 +61,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 from typing import Any, Callable
@@ -82,6 +83,7 @@ COMPLETE = "COMPLETE"
 LATEST_MARKER = "latest_checkpointed_iteration.txt"
 NO_MANIFEST = f"no {MANIFEST} (written by an older version or interrupted)"
 START_FRESH = "set trainer.resume_mode=disable to start fresh"
+SUPERSEDED = "superseded"  # where a fresh run moves an earlier run's checkpoints
 _CHUNK = 1 << 20
 _TENSOR = "__tensor__"
 _NDARRAY = "__ndarray__"
@@ -393,6 +395,31 @@ class CheckpointManager:
                 if suffix.isdigit() and d.is_dir():
                     found.append((int(suffix), d))
         return sorted(found, reverse=True)
+
+    def set_aside(self, extra: tuple[str, ...] = ()) -> Path | None:
+        """Move an earlier run's step folders, its latest marker and ``extra`` files to ``superseded/<UTC time>/``.
+
+        A fresh run (``trainer.resume_mode=disable``) into a folder that holds
+        checkpoints calls this first, so that its own checkpoints are never mixed
+        with older ones (an older ``global_step_87`` would otherwise be what
+        ``resume_mode=auto`` or the newest-checkpoint lookup finds after this
+        run's step 77), and nothing is deleted. Returns the folder they went to,
+        or None when there was nothing to move.
+        """
+        names = [d.name for _, d in self.step_folders()]
+        names += [n for n in (LATEST_MARKER, *extra) if (self.root / n).is_file()]
+        if not names:
+            return None
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        dest = self.root / SUPERSEDED / stamp
+        while dest.exists():  # two fresh runs within a second
+            dest = dest.with_name(f"{stamp}_{uuid.uuid4().hex[:4]}")
+        dest.mkdir(parents=True)
+        for name in names:
+            os.replace(self.root / name, dest / name)
+        _fsync_dir(dest)
+        _fsync_dir(self.root)
+        return dest
 
     def latest_verified(self, report: Callable[[str], None] | None = None) -> Path | None:
         """Newest folder that verifies; ``report`` hears one line per damaged newer folder.

@@ -99,3 +99,25 @@ def test_recommitting_a_step_replaces_it(tmp_path):
     assert load_state(final, "trainer")["step"] == 30
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     assert mgr.latest_verified() == final
+
+
+def test_set_aside_moves_an_earlier_runs_checkpoints_and_log_and_deletes_nothing(tmp_path):
+    mgr = CheckpointManager(tmp_path)
+    for step in (40, 87):
+        _commit(mgr, step)
+    (tmp_path / "trained_groups.jsonl").write_text('{"step": 87}\n')
+    (tmp_path / "resolved_config.yaml").write_text("kept: in place\n")
+    dest = mgr.set_aside(extra=("trained_groups.jsonl", "not_there.txt"))
+    assert dest.parent == tmp_path / "superseded"
+    assert sorted(p.name for p in dest.iterdir()) == [
+        "global_step_40", "global_step_87", "latest_checkpointed_iteration.txt", "trained_groups.jsonl"]
+    assert mgr.latest() is None and mgr.step_folders() == []  # nothing of the earlier run is found any more
+    assert (tmp_path / "resolved_config.yaml").is_file()
+    assert CheckpointManager(dest).latest().name == "global_step_87"  # still a whole, verifiable checkpoint
+    assert mgr.set_aside() is None  # nothing left to move
+    _commit(mgr, 3)  # the fresh run's own
+    assert mgr.latest().name == "global_step_3"
+    _commit(mgr, 4)
+    again = mgr.set_aside()
+    assert again != dest and sorted(p.name for p in again.iterdir()) == [
+        "global_step_3", "global_step_4", "latest_checkpointed_iteration.txt"]
