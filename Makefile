@@ -1,4 +1,5 @@
 # Two commands do all set-up on a fresh machine: `make demo` and `make test`.
+# `make demo ARGS="key=value ..."` passes Hydra overrides to the demo.
 # Each creates (or refreshes) .venv on its own. The CPU set-up pins torch
 # through constraints-cpu.txt; on a GPU machine install into your own
 # environment with `pip install -e .` (and `.[vllm]` if you want vLLM).
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m omnirl_async.demo
+	$(BIN)/python -m omnirl_async.demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -m "not slow" -q -p no:cacheprovider

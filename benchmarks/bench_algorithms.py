@@ -33,12 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
 
+from omnirl_async.demo import NFT_OVERRIDES, PG_ONLY  # noqa: E402
 from omnirl_async.models.heldout import bootstrap_gain, per_prompt_strict  # noqa: E402
 from omnirl_async.models.heldout import overall_accuracy as overall  # noqa: E402
-
-#: Policy-gradient settings of RL_DEFAULTS that a direct-preference run must not carry (they are refused there).
-_PG_ONLY = ("actor_rollout_ref.rollout.algo.sde_type", "actor_rollout_ref.rollout.algo.noise_level",
-            "actor_rollout_ref.rollout.algo.sde_window", "algorithm.rollout_correction")
 
 _DP = ["algorithm.trainer_type=direct_preference", "actor_rollout_ref.rollout.algo.noise_level=0.0",
        "algorithm.timestep_fraction=0.5"]
@@ -51,10 +48,7 @@ ALGOS: dict[str, list[str]] = {
     "flow_dppo": ["actor_rollout_ref.model.algorithm=flow_dppo"],
     "dance_grpo": ["actor_rollout_ref.model.algorithm=dance_grpo", "actor_rollout_ref.rollout.algo.sde_type=dance",
                    "actor_rollout_ref.rollout.algo.noise_level=0.3", "algorithm.global_std=false"],
-    "diffusion_nft": ["actor_rollout_ref.model.algorithm=diffusion_nft", *_DP,
-                      "actor_rollout_ref.model.policy_state_adapters=[default,old]",
-                      "actor_rollout_ref.rollout.rollout_adapter=old", "actor_rollout_ref.actor.diffusion_loss.mix_beta=1.0",
-                      "algorithm.old_policy_decay_schedule=linear_to_0_5"],
+    "diffusion_nft": NFT_OVERRIDES,  # the demo's recipe (omnirl_async/demo.py)
     "dpo": ["actor_rollout_ref.model.algorithm=dpo", *_DP, "algorithm.paired_preference=true",
             "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.optim.lr=1e-4"],
     "awm": ["actor_rollout_ref.model.algorithm=awm", *_DP],
@@ -63,7 +57,7 @@ ALGOS: dict[str, list[str]] = {
 
 def base_overrides(algo: str) -> list[str]:
     dp = any(o == "algorithm.trainer_type=direct_preference" for o in ALGOS[algo])
-    return [o for o in RL_DEFAULTS if not (dp and o.split("=", 1)[0].startswith(_PG_ONLY))]
+    return [o for o in RL_DEFAULTS if not (dp and o.split("=", 1)[0].startswith(PG_ONLY))]
 
 
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:

@@ -47,9 +47,8 @@ def test_demo_runs_a_few_separate_async_steps_and_prints_its_summary(tmp_path, c
                  "actor_rollout_ref.model.path=embedded:tiny-sd3", "data.train_batch_size=2",
                  "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
                  "actor_rollout_ref.rollout.pipeline.num_inference_steps=3", "trainer.device=cpu",
-                 "actor_rollout_ref.rollout.algo.sde_window_size=2",
-                 "actor_rollout_ref.rollout.algo.sde_window_range=[0,3]",
-                 "data.val_max_samples=4", "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=2",
+                 "data.val_max_samples=4", "actor_rollout_ref.rollout.val_kwargs.n=2",
+                 "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=2",
                  "ray_kwargs.num_cpus=4", f"trainer.default_local_dir={tmp_path / 'ckpt'}",
                  f"trainer.log_dir={tmp_path / 'tb'}"]) == 0
     assert not ray.is_initialized()  # the demo shuts down the Ray it started
@@ -58,7 +57,7 @@ def test_demo_runs_a_few_separate_async_steps_and_prints_its_summary(tmp_path, c
     assert "steps trained:        2 (policy version 2)" in out
     assert f"checkpoints:          {tmp_path / 'ckpt'}" in out
     assert (tmp_path / "ckpt" / "global_step_2" / "manifest.json").is_file()
-    assert "held-out set: 4 prompts x 2 images" in out
+    assert "held-out set: 4 prompts x 2 images" in out and "diffusion_nft" in out  # the demo's recipe
     line = next(x for x in out.splitlines() if x.startswith("held-out strict acc.:"))
     assert "95 % CI" in line and "global_step_2" in line, line
     assert f"before/after images:  {tmp_path / 'ckpt' / 'demo_before_after.png'}" in out
