@@ -201,3 +201,32 @@ def test_a_trainer_whose_roles_cannot_be_placed_stops_naming_the_keys(ray_cluste
     with pytest.raises(PlacementError, match=r"(?s)learners.*No single node has \{CPU: 64\}.*"
                                              r"`learner.num_cpus_per_worker`"):
         LearnerGroup(big, use_ray=True)
+
+
+@pytest.mark.slow  # starts Ray and builds a trainer
+@pytest.mark.parametrize("mode", ["sync", "separate_async"])
+def test_a_setup_that_fails_midway_releases_its_placement_groups(ray_cluster, small_overrides, tmp_path, mode):
+    """Rollout workers placed, then the learners fail to start: no placement group stays reserved."""
+    from ray.util import placement_group_table
+
+    if mode == "sync":
+        from omnirl_async.trainer.sync import SyncTrainer as base
+    else:
+        from omnirl_async.trainer.separate_async import SeparateAsyncTrainer as base
+
+    class LearnersFail(base):
+        def make_learners(self):
+            raise RuntimeError("the learners could not start")
+
+    def reserved() -> list[str]:
+        return [g["name"] or pid for pid, g in placement_group_table().items() if g["state"] != "REMOVED"]
+
+    cfg = load_config(small_overrides + [f"trainer.v1.trainer_mode={mode}", "actor_rollout_ref.rollout.num_workers=2",
+                                         f"trainer.default_local_dir={tmp_path}", f"trainer.log_dir={tmp_path}/tb"])
+    before = reserved()
+    with pytest.raises(RuntimeError, match="the learners could not start"):
+        LearnersFail(cfg, ["one red circle"], printer=lambda *a: None)
+    deadline = time.monotonic() + 10
+    while reserved() != before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert reserved() == before

@@ -54,16 +54,39 @@ class StepResult:
 
 class BaseTrainer:
     def __init__(self, config, prompts: list[str], *, printer=print):
-        import ray
-
         self.config = config
         self.printer = printer
+        # roles reserved in placement groups at their first actor (bounded by ray_kwargs.placement_timeout_s)
+        self.placements = Placements(config, printer=printer)
+        self.workers, self.reward_actors, self._validator = [], [], None
+        try:
+            self._setup(config, prompts, printer)
+        except BaseException:
+            self._release_partial_setup()
+            raise
+
+    def _release_partial_setup(self) -> None:
+        """Setup failed midway: free what it had started. Placement groups outlive their handles (on a
+        cluster they would stay reserved until Ray stops), actors are killed rather than left to refcounting."""
+        import ray
+
+        for name, close in (("learners", "stop"), ("buffer", "close")):
+            part = getattr(self, name, None)
+            if part is not None:
+                try:
+                    getattr(part, close)()
+                except Exception as exc:  # noqa: BLE001 - the setup error is the one to raise
+                    self.printer(f"while releasing a failed setup: {name}.{close}() raised {exc!r}")
+        for actor in self.workers + self.reward_actors + [getattr(self, "dispatcher", None)]:
+            if isinstance(actor, ray.actor.ActorHandle):  # sync keeps its dispatcher in the driver
+                ray.kill(actor)
+        self.placements.remove_all()
+
+    def _setup(self, config, prompts: list[str], printer) -> None:
         aro = config.actor_rollout_ref
         self.n = aro.rollout.n
         self.batch_prompts = config.data.train_batch_size
         self.prompts = prompts
-        # roles reserved in placement groups at their first actor (bounded by ray_kwargs.placement_timeout_s)
-        self.placements = Placements(config, printer=printer)
         self.dispatcher = self.make_dispatcher(prompts)
         self.buffer = self.make_buffer()
         # offline preference pairs: mixed into each batch, or (sample_source=offline) trained alone, no rollouts
