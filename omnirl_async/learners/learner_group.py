@@ -293,6 +293,9 @@ class LearnerGroup:
     silent rank becomes, and for placement on a cluster.
     """
 
+    #: the body of each learner actor (a subclass may stand in another, e.g. ``benchmarks/bench_scale.py``)
+    worker_class: type = LearnerWorker
+
     def __init__(self, config, *, use_ray: bool = True, num_threads: int | None = None, printer=None):
         self.config = config
         lcfg = config.learner
@@ -308,7 +311,7 @@ class LearnerGroup:
             if self.num_workers != 1:
                 raise ValueError(f"`learner.num_workers` = {self.num_workers} needs Ray; the in-process learner "
                                  "group has exactly one learner.")
-            self.local = LearnerWorker(config, 0, 1, num_threads)
+            self.local = self.worker_class(config, 0, 1, num_threads)
             self.local.setup(None)
             return
         import ray
@@ -316,7 +319,7 @@ class LearnerGroup:
         # all learners or none: one placement group, a bounded wait (PlacementError names what is missing)
         self.placement = RolePlacement(role_request(config, "learner"),
                                        timeout_s=config.ray_kwargs.placement_timeout_s, printer=printer)
-        cls = ray.remote(LearnerWorker)
+        cls = ray.remote(self.worker_class)
         self.actors = [cls.options(**self.placement.options(r)).remote(config, r, self.num_workers, num_threads)
                        for r in range(self.num_workers)]
         try:

@@ -1,0 +1,977 @@
+"""Scale simulation: the real control plane of separate_async with 8, 32 and 128 stand-in rollout workers.
+
+    .venv/bin/python benchmarks/bench_scale.py --workers 8,32,128,32@0.25,128@0.25 --time-scale 20 --seconds 60
+
+(``--quick``: one small setting in ~30 s, the smoke run of ``tests/test_bench_scale.py``.)
+
+What is real and what stands in
+  real         the prompt dispatcher and its admission control (``max_off_policy_threshold``, strategy
+               ``wait``), the Ray transfer queue / replay buffer (controller + storage unit, producer-owned
+               payloads), the weight store and the weight broadcast, the learner group's call path (one
+               learner actor, ``LearnerGroup.update`` / ``publish``) and the whole learner loop of
+               ``SeparateAsyncTrainer`` (``BaseTrainer.run_loop``: wait for tickets, sample, update,
+               publish, settle, metrics, audit trail). Each simulated rollout worker runs the real
+               ``RolloutWorker.run_loop``: newest weights -> lease -> generate -> score (in its pool) ->
+               ``buffer.put(producer=...)`` -> ``complete``, with its own worker id, version and leases.
+  stand-in     generation (``SimWorker._sample_group``) sleeps a modelled time and returns a payload of the
+               modelled size; the reward sleeps a long-tailed modelled latency; the learner's update sleeps a
+               modelled time (``SimLearner``) and publishes LoRA-sized weights. Several simulated workers share
+               one Ray actor (``SimHost``, one thread each), so that 128 of them fit on a small machine.
+
+Time and bytes
+  Every modelled time is divided by ``--time-scale`` S; results are printed in model seconds (real x S).
+  Payloads and weights are scaled by ``--payload-scale`` (default 1/S): copy costs then take the same share
+  of a compressed step as the full-size copies take of a real one. Fixed per-call costs (an actor call's
+  round trip) do NOT shrink with S, so their share of a compressed step is S times their share of a real
+  step: the control-plane figures here are an upper bound (and this machine's few cores host every
+  simulated worker's client side too).
+
+Per setting it prints throughput against the ideal overlap bound of the same time model
+(min(rollout capacity, learner demand)), the learner's idle fraction and where its time goes, the
+staleness histogram of the trained samples, and the control plane's own cost: the learner loop's time
+outside updates and waits, each simulated worker's loop time outside generation and admission waits, every
+control-plane call timed on the real objects (client round trips), and the CPU the central actors burnt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from omnirl_async.actors.prompt_dispatcher import sample_seeds  # noqa: E402
+from omnirl_async.actors.rollout_worker import RolloutWorker  # noqa: E402
+from omnirl_async.learners.learner_group import LearnerGroup, LearnerWorker  # noqa: E402
+from omnirl_async.models.sde_window import SDEWindow  # noqa: E402
+from omnirl_async.rewards.base import RewardResult  # noqa: E402
+from omnirl_async.trainer.separate_async import SeparateAsyncTrainer  # noqa: E402
+
+MiB = 1024**2
+
+
+# ----------------------------------------------------------------------------------------------- the time model
+@dataclass(frozen=True)
+class TimeModel:
+    """Durations in model seconds (what the real job would take), and the batch shape.
+
+    Sources ("public reports") and assumptions:
+
+    * group size 16, 32 prompt groups per learner step (512 images per step): the batch of VeRL-Omni's
+      FlowGRPO reference runs (verl-omni.readthedocs.io, "Performance Reference": "Training images per
+      step = batch size x images per prompt = 32 x 16 = 512"). The same page reports 420 s per step for a
+      synchronous LoRA run of Qwen-Image on 4 H800 GPUs (0.305 images/GPU/s), i.e. ~3.3 GPU-seconds per
+      trained image for rollout and update together; the split below stays within that total.
+    * 10 denoising steps per rollout and an SDE window of 3 trained steps: Flow-GRPO's public configs
+      (github.com/yifan123/flow_grpo, config/grpo.py: ``sample.num_steps = 10``, fast variants
+      ``sde_window_size = 3``); those configs train SD3.5-Medium at 512 px with groups of 24.
+    * ``gen_s`` = 24 s per group of 16 images at 1024 px on one GPU (1.5 s per image): an ASSUMPTION, from
+      a FLOP estimate for a ~2.5 B-parameter MMDiT at 4096 image tokens, 10 steps with CFG, plus VAE decode;
+      not a measured figure. Jitter lognormal, sigma 0.10 (ASSUMPTION).
+    * ``reward_median_s`` = 2 s per group from a remote scorer with a long tail, lognormal sigma 1.0
+      (p99 ~ 20 s): an ASSUMPTION (no public latency distribution found).
+    * ``update_s`` = 60 s per learner step of 512 samples on 8 GPUs (~0.94 GPU-s per image for 3 trained
+      steps with a proximal recompute): an ASSUMPTION, within the 3.3 GPU-s per image total above.
+    """
+
+    group_size: int = 16
+    batch_groups: int = 32
+    gen_s: float = 24.0
+    gen_sigma: float = 0.10
+    reward_median_s: float = 2.0
+    reward_sigma: float = 1.0
+    update_s: float = 60.0
+    update_sigma: float = 0.03
+    scoring_threads: int = 4  # RolloutWorker.max_inflight_scores: groups scored while the next one is sampled
+
+    # ---- expectations
+    def reward_mean_s(self) -> float:
+        return self.reward_median_s * math.exp(self.reward_sigma ** 2 / 2)
+
+    def worker_group_s(self) -> float:
+        """Model seconds per group of one worker in steady state: sampling, unless scoring is the slower stage."""
+        return max(self.gen_s, self.reward_mean_s() / self.scoring_threads)
+
+    def capacity(self, workers: int) -> float:
+        """Samples per model second that ``workers`` rollout workers can generate."""
+        return workers * self.group_size / self.worker_group_s()
+
+    def demand(self) -> float:
+        """Samples per model second the learner can train."""
+        return self.batch_groups * self.group_size / self.update_s
+
+    def ideal(self, workers: int) -> float:
+        """The ideal overlap bound: rollout and learning fully overlapped, no control-plane cost."""
+        return min(self.capacity(workers), self.demand())
+
+    def learner_bound(self, workers: int) -> bool:
+        return self.capacity(workers) > self.demand()
+
+    def step_s(self, workers: int) -> float:
+        """Model seconds per learner step at the ideal bound."""
+        return self.batch_groups * self.group_size / self.ideal(workers)
+
+    # ---- draws (mean-preserving lognormal jitter for the GPU stages, median-anchored for the scorer)
+    def draw_gen(self, rng: np.random.Generator) -> float:
+        return self.gen_s * float(rng.lognormal(-self.gen_sigma ** 2 / 2, self.gen_sigma))
+
+    def draw_reward(self, rng: np.random.Generator) -> float:
+        return self.reward_median_s * float(rng.lognormal(0.0, self.reward_sigma))
+
+    def draw_update(self, rng: np.random.Generator) -> float:
+        return self.update_s * float(rng.lognormal(-self.update_sigma ** 2 / 2, self.update_sigma))
+
+
+@dataclass(frozen=True)
+class PayloadModel:
+    """Bytes of one sample as this project's rollout worker stores it (``RolloutBatch.to_fields`` plus the
+    prompt embeddings, float32), for a 1024 px SD3.5-class model, and of one published LoRA.
+
+    Shapes: SD3's VAE has 16 latent channels at 1/8 resolution; its pipelines concatenate 77 CLIP tokens
+    and ``max_sequence_length`` = 256 T5 tokens of width 4096 (diffusers' default), pooled width 2048.
+    LoRA: rank 32 on the 8 attention projections of each of 24 blocks of width 1536 (SD3.5-Medium-like);
+    the rank and targets are an ASSUMPTION.
+    """
+
+    resolution: int = 1024
+    latent_channels: int = 16
+    vae_factor: int = 8
+    trained_steps: int = 3
+    text_tokens: int = 77 + 256
+    text_dim: int = 4096
+    pooled_dim: int = 2048
+    lora_rank: int = 32
+    lora_blocks: int = 24
+    lora_projections: int = 8
+    lora_width: int = 1536
+
+    def fields(self) -> dict[str, tuple[int, np.dtype]]:
+        """Field -> (elements per sample, dtype) at full size."""
+        lat = self.latent_channels * (self.resolution // self.vae_factor) ** 2
+        k = self.trained_steps
+        f32 = np.dtype(np.float32)
+        return {"images": (self.resolution ** 2 * 3, np.dtype(np.uint8)), "latents": (k * lat, f32),
+                "next_latents": (k * lat, f32), "means": (k * lat, f32), "log_probs": (k, f32),
+                "sigmas": (k, f32), "sigmas_next": (k, f32), "step_indices": (k, np.dtype(np.int64)),
+                "emb.prompt_embeds": (self.text_tokens * self.text_dim, f32),
+                "emb.pooled_prompt_embeds": (self.pooled_dim, f32)}
+
+    def sample_bytes(self) -> int:
+        return sum(n * dt.itemsize for n, dt in self.fields().values())
+
+    def lora_tensors(self) -> int:
+        return 2 * self.lora_blocks * self.lora_projections  # A and B of each adapted projection
+
+    def lora_params(self) -> int:
+        return self.lora_blocks * self.lora_projections * self.lora_rank * 2 * self.lora_width
+
+    def lora_bytes(self) -> int:
+        return 4 * self.lora_params()
+
+
+@dataclass(frozen=True)
+class SimSpec:
+    """Everything a stand-in needs in its actor: the models, the compression and the worker protocol knobs."""
+
+    time: TimeModel = field(default_factory=TimeModel)
+    payload: PayloadModel = field(default_factory=PayloadModel)
+    time_scale: float = 20.0
+    payload_scale: float = 1 / 20
+    poll_s: float = 0.02  # RolloutWorker.run_loop's default: sleep after a lease that admission refused
+    seed: int = 0
+
+    def real(self, model_s: float) -> float:
+        return model_s / self.time_scale
+
+    def group_payload(self, n: int, fill: int) -> dict[str, np.ndarray]:
+        """The arrays of one group at ``payload_scale`` of the modelled size (flattened per sample)."""
+        out = {}
+        for name, (elems, dtype) in self.payload.fields().items():
+            k = elems if elems < 1024 else max(1, int(elems * self.payload_scale))
+            out[name] = np.full((n, k), fill % 251, dtype=dtype)
+        return out
+
+    def weights(self, version: int) -> dict[str, np.ndarray]:
+        """One LoRA state at ``payload_scale`` of its modelled size, as many tensors as the real one."""
+        count = self.payload.lora_tensors()
+        per = max(1, int(self.payload.lora_params() * self.payload_scale / count))
+        return {f"lora.{i}": np.full(per, float(version), np.float32) for i in range(count)}
+
+
+# ----------------------------------------------------------------------------------------------- timing proxies
+class CallClock:
+    """Count, total and max seconds of named calls; thread-safe; a plain dict out."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+
+    def add(self, name: str, seconds: float) -> None:
+        with self._lock:
+            c = self._calls[name]
+            c[0] += 1
+            c[1] += seconds
+            c[2] = max(c[2], seconds)
+
+    def snapshot(self) -> dict[str, list[float]]:
+        with self._lock:
+            return {k: list(v) for k, v in self._calls.items()}
+
+
+def merge_calls(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for part in parts:
+        for name, (count, total, peak) in part.items():
+            c = out[name]
+            c[0] += count
+            c[1] += total
+            c[2] = max(c[2], peak)
+    return dict(out)
+
+
+class _TimedMethod:
+    """``handle.method.remote(...)`` that returns once the reply is here, timing the round trip."""
+
+    def __init__(self, method, name: str, clock: CallClock):
+        self._method, self._name, self._clock = method, name, clock
+
+    def remote(self, *args, **kwargs):
+        import ray
+
+        t0 = time.perf_counter()
+        ref = self._method.remote(*args, **kwargs)
+        value = ray.get(ref)
+        dt = time.perf_counter() - t0
+        name = self._name
+        if name == "dispatcher.lease":  # a granted lease is on the worker's critical path, a refused one is waiting
+            name += " (granted)" if value else " (refused)"
+        self._clock.add(name, dt)
+        return ref  # the caller's ray.get finds the value already here
+
+
+class TimedHandle:
+    """An actor handle whose method calls are timed (the real actor answers every call)."""
+
+    def __init__(self, handle, prefix: str, clock: CallClock):
+        self._handle, self._prefix, self._clock = handle, prefix, clock
+
+    def __getattr__(self, name: str) -> _TimedMethod:
+        return _TimedMethod(getattr(self._handle, name), f"{self._prefix}.{name}", self._clock)
+
+
+class TimedObject:
+    """An object whose method calls are timed; pickles to the wrapped object (Ray actors get the plain client)."""
+
+    def __init__(self, obj, prefix: str, clock: CallClock):
+        self._obj, self._prefix, self._clock = obj, prefix, clock
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._obj, name)
+        if not callable(attr):
+            return attr
+        clock, label = self._clock, f"{self._prefix}.{name}"
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return attr(*args, **kwargs)
+            finally:
+                clock.add(label, time.perf_counter() - t0)
+
+        return timed
+
+    def __reduce__(self):
+        return self._obj.__reduce__()
+
+
+# ----------------------------------------------------------------------------------------------- rollout stand-ins
+class SimReward:
+    """A remote scorer's latency (long-tailed), no scoring work; thread-safe (the worker's pool calls it)."""
+
+    def __init__(self, spec: SimSpec, seed: list[int]):
+        self.spec = spec
+        self._rng = np.random.default_rng(seed)
+        self._lock = threading.Lock()
+
+    def __call__(self, images, prompts, rows=None) -> RewardResult:
+        n = len(prompts)
+        with self._lock:
+            delay = self.spec.real(self.spec.time.draw_reward(self._rng))
+            scores = self._rng.random(n).astype(np.float32)
+        time.sleep(delay)
+        return RewardResult(scores=scores, extra={}, failed=np.zeros(n, bool), reasons=[None] * n)
+
+
+class SimWorker(RolloutWorker):
+    """The real rollout worker's protocol (``run_loop``, ``_finish_group``, ``_score_group``, ``set_weights``)
+    with generation and scoring replaced by the time model. No policy and no reward model are built."""
+
+    def __init__(self, config, spec: SimSpec, *, worker_index: int):  # noqa: D107 - no super(): no model to load
+        self.config, self.spec, self.worker_index = config, spec, worker_index
+        aro = config.actor_rollout_ref
+        self.rollout_cfg, self.model_cfg = aro.rollout, aro.model
+        algo = self.rollout_cfg.algo
+        self.window = SDEWindow(num_steps=self.rollout_cfg.pipeline.num_inference_steps,
+                                window_size=algo.sde_window_size, window_range=algo.sde_window_range,
+                                strategy=algo.sample_strategy, iters_per_group=algo.iters_per_group,
+                                seed=algo.sde_window_seed)
+        self.keep_trajectory = True
+        self.version = 0
+        self.max_inflight_scores = spec.time.scoring_threads
+        self._pool = ThreadPoolExecutor(max_workers=self.max_inflight_scores, thread_name_prefix="score")
+        self._count_lock = threading.Lock()
+        self._weights_lock = threading.Lock()
+        self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
+                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "wall_s": 0.0, "overrun_s": 0.0,
+                         "install_s": 0.0}
+        self._rng = np.random.default_rng([spec.seed, worker_index, 1])
+        self._payload: dict[str, np.ndarray] | None = None
+        self.reward = SimReward(spec, [spec.seed, worker_index, 2])
+
+    def _sample_group(self, lease, window) -> dict[str, Any]:
+        """Stage 1 stand-in: the modelled generation time, ending with a payload of the modelled size."""
+        t0 = time.perf_counter()
+        target = self.spec.real(self.spec.time.draw_gen(self._rng))
+        if self._payload is None or len(self._payload["images"]) != lease.n:
+            self._payload = self.spec.group_payload(lease.n, self.worker_index)
+        fields = dict(self._payload)  # the same bytes every time: buffer.put copies them into the object store
+        left = target - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        else:
+            self.counters["overrun_s"] += -left  # making the payload took longer than the modelled generation
+        return {"lease": lease, "fields": fields, "seeds": sample_seeds(lease), "version": self.version,
+                "gen_s": time.perf_counter() - t0}
+
+    def set_weights(self, version: int, weights: dict[str, Any]) -> int:
+        """Install a version as the real worker does, minus the model: the tensor copy, then the version."""
+        from omnirl_async.actors.rollout_worker import _to_tensor_dict
+
+        t0 = time.perf_counter()
+        with self._weights_lock:
+            if version < self.version:
+                raise ValueError(f"weights version {version} is older than the installed {self.version}")
+            if version > self.version:
+                _to_tensor_dict(weights)  # the copy the real worker makes before loading the LoRA
+                self.version = version
+        self.counters["install_s"] += time.perf_counter() - t0
+        return self.version
+
+
+class SimHost:
+    """One Ray actor standing for several simulated rollout workers, one thread each, each with its own
+    worker id (``<id>.s<j>``), version, leases and payloads. The trainer sees one worker per host."""
+
+    def __init__(self, config, spec: SimSpec, *, host_index: int, num_sims: int, first_index: int):
+        self.spec, self.host_index = spec, host_index
+        self.sims = [SimWorker(config, spec, worker_index=first_index + j) for j in range(num_sims)]
+        self.clock = CallClock()
+        self.threads = ThreadPoolExecutor(max_workers=max(1, num_sims), thread_name_prefix="sim")
+
+    def assert_healthy(self) -> dict[str, Any]:
+        return {"host": self.host_index, "pid": os.getpid(), "sims": len(self.sims)}
+
+    def get_version(self) -> int:
+        return min(s.version for s in self.sims)
+
+    def run_loop(self, dispatcher, store, buffer, *, worker_id: str, poll_s: float | None = None,
+                 put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, Any]:
+        """Every simulated worker runs the real ``RolloutWorker.run_loop`` over timed handles; the first
+        error of any of them is raised at once (the trainer re-raises it)."""
+        d = TimedHandle(dispatcher, "dispatcher", self.clock)
+        s = TimedHandle(store, "weight_store", self.clock)
+        b = TimedObject(buffer, "buffer", self.clock)
+        poll = self.spec.poll_s if poll_s is None else poll_s
+        futures = [self.threads.submit(sim.run_loop, d, s, b, worker_id=f"{worker_id}.s{j}", poll_s=poll,
+                                       put_timeout=put_timeout, slowdown_s=slowdown_s)
+                   for j, sim in enumerate(self.sims)]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        for f in done:
+            f.result()
+        return self.stats()
+
+    def stats(self) -> dict[str, Any]:
+        """The counters of all simulated workers summed (``version``: the oldest), plus the timed calls."""
+        out: dict[str, Any] = defaultdict(float)
+        for sim in self.sims:
+            for k, v in sim.counters.items():
+                out[k] += v
+        out = dict(out)
+        out.update(version=self.get_version(), worker_index=self.host_index, sims=len(self.sims),
+                   calls=self.clock.snapshot())
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- learner stand-in
+class SimLearner:
+    """What ``LearnerWorker`` calls on a learner: the update only takes the modelled time; the weights are a
+    LoRA-sized state that changes every update."""
+
+    def __init__(self, spec: SimSpec, rank: int):
+        import torch
+
+        self.spec, self.global_step = spec, 0
+        self._rng = np.random.default_rng([spec.seed, 10_000 + rank])
+        self._weights = {k: torch.from_numpy(v) for k, v in spec.weights(0).items()}
+
+    def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
+        t0 = time.perf_counter()
+        target = self.spec.real(self.spec.time.draw_update(self._rng))
+        rows = len(group_ids)
+        self.global_step += 1
+        for w in self._weights.values():
+            w.fill_(float(self.global_step))
+        left = target - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        return {"sim/update_s": time.perf_counter() - t0, "sim/update_target_s": target, "sim/rows": float(rows)}
+
+    def get_weights(self):
+        return self._weights
+
+    def adapter_versions(self) -> dict[str, int]:
+        return {"default": self.global_step}
+
+    def get_state(self) -> dict[str, Any]:
+        return {"global_step": self.global_step}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.global_step = int(state["global_step"])
+
+    def save_lora(self, folder) -> None:
+        raise NotImplementedError("the scale benchmark writes no checkpoints")
+
+
+class SimLearnerWorker(LearnerWorker):
+    """The real learner actor body around :class:`SimLearner` (``spec`` is set by :func:`learner_group_class`)."""
+
+    spec: SimSpec
+
+    def setup(self, master) -> bool:
+        self.learner = SimLearner(self.spec, self.rank)
+        return True
+
+
+def learner_group_class(spec: SimSpec) -> type[LearnerGroup]:
+    """The real ``LearnerGroup`` whose actors run :class:`SimLearnerWorker` with ``spec``."""
+    worker = type("SimLearnerWorker", (SimLearnerWorker,), {"spec": spec})
+    return type("SimLearnerGroup", (LearnerGroup,), {"worker_class": worker})
+
+
+# ----------------------------------------------------------------------------------------------- the trainer
+@dataclass
+class StepRecord:
+    end: float                      # perf_counter when the step's bookkeeping ended
+    samples: int
+    times: dict[str, float]         # the loop's Timer: gen (waiting for samples), sample, update_actor, ...
+    compute_s: float                # the learner's modelled update (real seconds slept)
+    bookkeeping_s: float            # step_metrics: buffer metrics, rollout stats, audit trail, settle
+    lags: np.ndarray
+
+
+class SimTrainer(SeparateAsyncTrainer):
+    """``SeparateAsyncTrainer`` with stand-in workers (``make_worker``) and learner (``make_learners``); the
+    buffer and the driver's dispatcher calls are timed; no checkpoints."""
+
+    def __init__(self, config, prompts, *, spec: SimSpec, layout: list[int], printer=print, on_step=None):
+        self.spec, self.layout = spec, list(layout)
+        self.clock = CallClock()
+        self.records: list[StepRecord] = []
+        self.on_step = on_step
+        super().__init__(config, prompts, printer=printer)
+
+    def make_buffer(self):
+        return TimedObject(super().make_buffer(), "buffer", self.clock)
+
+    def make_learners(self):
+        return learner_group_class(self.spec)(self.config, use_ray=True, num_threads=1)
+
+    def make_worker(self, index: int, **options):
+        import ray
+
+        placed = self.placements.options("rollout", index)
+        cls = ray.remote(**placed, max_concurrency=2)(SimHost)  # stats() answers while run_loop runs
+        return cls.remote(self.config, self.spec, host_index=index, num_sims=self.layout[index],
+                          first_index=sum(self.layout[:index]))
+
+    def dcall(self, method: str, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return super().dcall(method, *args, **kwargs)
+        finally:
+            self.clock.add(f"dispatcher.{method}", time.perf_counter() - t0)
+
+    def _recover_leases(self, worker_id: str) -> None:
+        """A dead host: the leases of each of its simulated workers."""
+        host = next(i for i, w in self.worker_ids.items() if w == worker_id)
+        for j in range(self.layout[host]):
+            super()._recover_leases(f"{worker_id}.s{j}")
+
+    def should_save(self, done: bool) -> bool:
+        return False
+
+    def step_metrics(self, metrics, batch, timer, run_s):
+        t0 = time.perf_counter()
+        out = super().step_metrics(metrics, batch, timer, run_s)
+        end = time.perf_counter()
+        lags = np.asarray(batch.info.get("staleness", np.zeros(len(batch))), dtype=np.int64)
+        self.records.append(StepRecord(end=end, samples=len(batch), times=dict(timer.times),
+                                       compute_s=float(metrics.get("sim/update_s", 0.0)),
+                                       bookkeeping_s=end - t0, lags=lags))
+        if self.on_step is not None:
+            self.on_step(len(self.records))
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- one setting
+def host_layout(workers: int, actors: int) -> list[int]:
+    """Simulated workers per Ray actor, as even as possible."""
+    hosts = max(1, min(actors, workers))
+    return [workers // hosts + (1 if i < workers % hosts else 0) for i in range(hosts)]
+
+
+def config_overrides(spec: SimSpec, *, hosts: int, threshold: int, seconds: float, workdir: Path) -> list[str]:
+    t, p = spec.time, spec.payload
+    group_bytes = p.sample_bytes() * t.group_size * spec.payload_scale
+    alive = (threshold + 4) * t.batch_groups  # admitted groups the buffer may hold, with room to spare
+    return [
+        "trainer.v1.trainer_mode=separate_async", f"trainer.v1.sampler.max_off_policy_threshold={threshold}",
+        "trainer.v1.sampler.max_off_policy_strategy=wait",
+        f"actor_rollout_ref.rollout.n={t.group_size}", f"data.train_batch_size={t.batch_groups}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={t.batch_groups}",
+        f"actor_rollout_ref.rollout.num_workers={hosts}", "actor_rollout_ref.rollout.num_cpus_per_worker=1",
+        "actor_rollout_ref.rollout.pipeline.num_inference_steps=10",
+        f"actor_rollout_ref.rollout.algo.sde_window_size={p.trained_steps}",
+        "learner.num_workers=1", "learner.num_cpus_per_worker=1", "data.shuffle=false",
+        "transfer_queue.num_data_storage_units=1",
+        f"transfer_queue.memory_budget_bytes={int(max(2 * 1024**3, 2 * alive * group_bytes))}",
+        f"buffer.max_size={max(4096, alive * t.group_size)}", "buffer.snapshot_with_checkpoint=false",
+        "trainer.logger=[]", "trainer.progress_bar=false", "trainer.resume_mode=disable", "trainer.save_freq=-1",
+        "trainer.test_freq=-1", f"trainer.total_time_minutes={seconds / 60.0}", "trainer.total_epochs=1",
+        "trainer.wait_timeout_s=300", f"trainer.default_local_dir={workdir / 'ckpt'}",
+        f"trainer.log_dir={workdir / 'logs'}",
+    ]
+
+
+def num_prompts(spec: SimSpec, workers: int, seconds: float) -> int:
+    """Enough distinct prompts that one epoch outlasts the run (so every trained prompt is new)."""
+    groups_per_s = workers / spec.real(spec.time.worker_group_s())
+    return int(groups_per_s * seconds * 1.5 + 8 * spec.time.batch_groups)
+
+
+def process_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of this run's processes: Ray actors by class, Ray's daemons, this driver."""
+    import psutil
+
+    out: dict[str, float] = defaultdict(float)
+    me = psutil.Process(os.getpid())
+    for proc in [me, *me.children(recursive=True)]:  # this run's Ray: its daemons and workers are our children
+        try:
+            cmd = proc.cmdline() or []
+            name = proc.name() or ""
+            if proc.pid == me.pid:
+                key = "driver (learner loop)"
+            elif cmd and cmd[0].startswith("ray::"):
+                key = cmd[0][len("ray::"):].split(".")[0].split(" ")[0]
+            elif name in ("raylet", "gcs_server"):
+                key = name
+            else:
+                key = "other Ray processes"
+            t = proc.cpu_times()
+            out[key] += t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return dict(out)
+
+
+def machine_busy() -> tuple[float, float]:
+    """(busy CPU seconds, total CPU seconds) of the whole machine so far."""
+    import psutil
+
+    t = psutil.cpu_times()
+    total = sum(t)
+    return total - t.idle - getattr(t, "iowait", 0.0), total
+
+
+def run_setting(workers: int, args, spec: SimSpec, printer=print) -> dict[str, Any]:
+    """Start Ray, run the real separate_async loop with ``workers`` simulated rollout workers, analyse."""
+    import ray
+
+    from omnirl_async.config import load_config
+
+    layout = host_layout(workers, args.actors)
+    with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
+        cfg = load_config(config_overrides(spec, hosts=len(layout), threshold=args.threshold,
+                                           seconds=args.seconds, workdir=Path(tmp)))
+        prompts = [f"simulated prompt {i}" for i in range(num_prompts(spec, workers, args.seconds))]
+        ray.init(address="local", num_cpus=len(layout) + 2, include_dashboard=False, log_to_driver=False,
+                 object_store_memory=args.object_store_gb * 1024**3,
+                 runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+        try:
+            return _run(cfg, prompts, spec, layout, args, printer)
+        finally:
+            ray.shutdown()
+
+
+def _run(cfg, prompts, spec, layout, args, printer) -> dict[str, Any]:
+    import ray
+
+    marks: dict[str, Any] = {}
+
+    def on_step(k: int) -> None:  # the measured window starts after the warm-up steps
+        if k == args.warmup_steps:
+            marks["cpu0"], marks["busy0"], marks["t0"] = process_cpu(), machine_busy(), time.perf_counter()
+            marks["calls0"] = trainer.clock.snapshot()
+
+    t_build = time.perf_counter()
+    trainer = SimTrainer(cfg, prompts, spec=spec, layout=layout, printer=printer, on_step=on_step)
+    try:
+        trainer.dcall("tickets_issued")
+        ray.get(trainer.store.latest_version.remote())
+        build_s = time.perf_counter() - t_build
+        t0 = time.perf_counter()
+        trainer.fit()
+        marks["cpu1"], marks["busy1"], marks["t1"] = process_cpu(), machine_busy(), time.perf_counter()
+        wall = time.perf_counter() - t0
+        hosts = list(trainer.final_worker_stats)
+        if len(hosts) != len(layout):
+            raise RuntimeError(f"{len(layout) - len(hosts)} of {len(layout)} simulated-worker actors did not stop "
+                               "cleanly; their counters are missing (see the message above)")
+        return analyse(trainer, hosts, spec, workers=sum(layout), layout=layout, args=args, marks=marks,
+                       wall=wall, build_s=build_s)
+    finally:
+        trainer.stop()
+
+
+# ----------------------------------------------------------------------------------------------- analysis
+def histogram(lags: np.ndarray) -> dict[int, int]:
+    return {int(k): int(v) for k, v in sorted(Counter(lags.tolist()).items())}
+
+
+def exactly_once(trained_log: list[tuple], group_size: int) -> tuple[bool, str]:
+    """Every leased prompt trained at most once: one step per group, at most ``n`` samples per (prompt, epoch)."""
+    per_prompt = Counter((prompt, epoch) for _, prompt, epoch, _, _ in trained_log)
+    steps_of_group: dict[str, set] = defaultdict(set)
+    for group, _, _, _, learner_v in trained_log:
+        steps_of_group[group].add(learner_v)
+    over = [k for k, c in per_prompt.items() if c > group_size]
+    split = [g for g, s in steps_of_group.items() if len(s) > 1]
+    ok = not over and not split
+    return ok, ("ok" if ok else f"{len(over)} prompts trained more than once, {len(split)} groups in two steps")
+
+
+def window_of(records: list[StepRecord], warmup: int) -> list[StepRecord]:
+    if len(records) < warmup + 2:
+        raise RuntimeError(f"only {len(records)} learner steps finished; the measured window needs more than "
+                           f"--warmup-steps {warmup} + 1: raise --seconds or --time-scale")
+    return records[warmup:]
+
+
+def analyse(trainer: SimTrainer, hosts: list[dict], spec: SimSpec, *, workers: int, layout: list[int], args,
+            marks: dict, wall: float, build_s: float) -> dict[str, Any]:
+    """Throughput vs the ideal bound, learner time split, staleness, exactly-once and control-plane costs."""
+    t, S = spec.time, spec.time_scale
+    recs = window_of(trainer.records, args.warmup_steps)
+    span = recs[-1].end - recs[0].end
+    body = recs[1:]  # the steps that ended inside the window
+    samples = sum(r.samples for r in body)
+    thr_model = samples / span / S
+    ideal = t.ideal(workers)
+    compute = sum(r.compute_s for r in body)
+    wait_s = sum(r.times.get("gen", 0.0) for r in body)
+    split = {"update (modelled)": compute, "waiting for samples": wait_s,
+             "sample + payload fetch": sum(r.times.get("sample", 0.0) for r in body),
+             "update call overhead": sum(r.times.get("update_actor", 0.0) - r.compute_s for r in body),
+             "publish weights": sum(r.times.get("update_weights", 0.0) for r in body),
+             "bookkeeping (metrics, audit, settle)": sum(r.bookkeeping_s for r in body)}
+    split["other (refill check, settle, loop)"] = span - sum(split.values())
+    lags = np.concatenate([r.lags for r in trainer.records]) if trainer.records else np.zeros(0, np.int64)
+    audit_lags = np.array([lv - pv for _, _, _, pv, lv in trainer.trained_log], dtype=np.int64)
+    once_ok, once_text = exactly_once(trainer.trained_log, t.group_size)
+    learner_cp = (span - compute - wait_s) / len(body)  # the loop's own time per step, outside updates and waits
+    sims = host_totals(hosts)
+    calls = merge_calls([trainer.clock.snapshot()] + [h.get("calls", {}) for h in hosts])
+    worker_cp = worker_critical_path(sims, calls)
+    cpu = {k: marks["cpu1"].get(k, 0.0) - marks["cpu0"].get(k, 0.0) for k in marks["cpu1"]}
+    interval = marks["t1"] - marks["t0"]
+    busy = (marks["busy1"][0] - marks["busy0"][0]) / max(1e-9, marks["busy1"][1] - marks["busy0"][1])
+    outside = max(0.0, busy * (os.cpu_count() or 1) - sum(cpu.values()) / max(1e-9, interval))
+    window_calls = calls_in_window(trainer.clock.snapshot(), marks.get("calls0", {}))
+    return {
+        "workers": workers, "poll_s": spec.poll_s, "layout": layout, "threshold": args.threshold, "time_scale": S,
+        "payload_scale": spec.payload_scale, "wall_s": wall, "build_s": build_s,
+        "steps": len(trainer.records), "window_steps": len(body), "window_s": span, "samples": samples,
+        "throughput": thr_model, "ideal": ideal, "ratio": thr_model / ideal, "capacity": t.capacity(workers),
+        "demand": t.demand(), "learner_bound": t.learner_bound(workers),
+        "learner_idle": 1.0 - compute / span, "split": {k: v / span for k, v in split.items()},
+        "lags": histogram(lags), "audit_lags": histogram(audit_lags),
+        "max_lag": int(max(lags.max(initial=0), audit_lags.max(initial=0))),
+        "bound_held": bool(lags.max(initial=0) <= args.threshold and audit_lags.max(initial=0) <= args.threshold),
+        "exactly_once": once_ok, "exactly_once_text": once_text, "trained_samples": len(trainer.trained_log),
+        "learner_cp_s": learner_cp, "learner_cp_frac": learner_cp / (t.step_s(workers) / S),
+        "worker_cp_s": worker_cp, "worker_cp_frac": worker_cp / spec.real(t.gen_s),
+        "sims": sims, "calls": calls, "driver_window_calls": window_calls, "cpu": cpu, "machine_busy": busy,
+        "cpu_interval_s": interval, "outside_cores": outside,
+        "window_trained": samples,
+    }
+
+
+def worker_critical_path(sims: dict[str, float], calls: dict[str, list[float]]) -> float:
+    """Seconds per group that a simulated worker spends in the control plane before it can generate: one
+    newest-version check and one granted lease per group, plus every weight pull and install. (Refused leases
+    and their checks are admission waits; scoring, put and complete run in the worker's pool, beside the next
+    generation.)"""
+    groups = max(1.0, sims["groups"])
+    count, total = lambda k: calls.get(k, [0, 0.0])[0], lambda k: calls.get(k, [0, 0.0])[1]
+    check = total("weight_store.latest_version") / max(1, count("weight_store.latest_version"))
+    lease = total("dispatcher.lease (granted)") / max(1, count("dispatcher.lease (granted)"))
+    checks_all = total("weight_store.latest_version")
+    pulls = max(0.0, sims["weights_s"] - checks_all)  # store.get + the object's ray.get + the install
+    return check + lease + pulls / groups
+
+
+def calls_in_window(now: dict, before: dict) -> dict[str, list[float]]:
+    return {k: [v[0] - before.get(k, [0, 0.0])[0], v[1] - before.get(k, [0, 0.0])[1], v[2]] for k, v in now.items()}
+
+
+def host_totals(hosts: list[dict]) -> dict[str, float]:
+    keys = ("groups", "samples", "gen_s", "reward_s", "idle_s", "put_s", "weights_s", "weights_bytes", "wall_s",
+            "overrun_s", "install_s")
+    return {k: float(sum(h.get(k, 0.0) for h in hosts)) for k in keys}
+
+
+# ----------------------------------------------------------------------------------------------- printing
+def fmt_ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms"
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "NOT met"
+
+
+def print_setting(r: dict[str, Any], spec: SimSpec, printer=print) -> None:
+    t, S = spec.time, r["time_scale"]
+    regime = "learner-bound" if r["learner_bound"] else "rollout-bound"
+    printer(f"\n== {r['workers']} simulated rollout workers on {len(r['layout'])} Ray actors "
+            f"({'/'.join(map(str, r['layout']))}), threshold {r['threshold']}, time scale {S:g}x, "
+            f"poll after a refused lease {1e3 * r['poll_s']:g} ms ==")
+    printer(f"regime: {regime}: rollout capacity {r['capacity']:.2f} vs learner demand {r['demand']:.2f} "
+            "samples/model-s")
+    printer(f"run: {r['wall_s']:.0f} s real ({r['wall_s'] * S / 60:.0f} model-min), {r['steps']} learner steps; "
+            f"measured window: steps {r['steps'] - r['window_steps'] + 1}-{r['steps']} "
+            f"({r['window_s']:.1f} s real, {r['samples']} samples)")
+    printer(f"throughput: {r['throughput']:.3f} samples/model-s  (ideal overlap bound {r['ideal']:.3f}) "
+            f"ratio {100 * r['ratio']:.1f} %")
+    printer(f"learner idle: {100 * r['learner_idle']:.1f} %   where the learner loop's time went:")
+    for k, v in r["split"].items():
+        printer(f"    {k:<38s} {100 * v:6.2f} %")
+    printer(f"staleness of trained samples (lag: samples): {r['lags']}  max {r['max_lag']} vs threshold "
+            f"{r['threshold']}: {'held' if r['bound_held'] else 'BROKEN'}; audit trail agrees: "
+            f"{r['audit_lags'] == r['lags']}")
+    printer(f"exactly once: {r['exactly_once_text']} ({r['trained_samples']} samples trained)")
+    print_control_plane(r, spec, printer)
+
+
+def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None:
+    S, sims, calls = r["time_scale"], r["sims"], r["calls"]
+    step_model = spec.time.step_s(r["workers"])
+    printer(f"control plane, learner side: {fmt_ms(r['learner_cp_s'])} per step outside updates and waits = "
+            f"{100 * r['learner_cp_frac']:.2f} % of a step ({step_model:.0f} model-s = {step_model / S:.2f} s real). "
+            f"At full scale it lies between {100 * r['learner_cp_frac'] / S:.3f} % (all of it fixed per-call cost, "
+            f"which compression inflates {S:g}x) and {100 * r['learner_cp_frac']:.2f} % (all of it byte copies)")
+    printer(f"control plane, worker side:  {fmt_ms(r['worker_cp_s'])} per group before generating (a version "
+            f"check, a granted lease, weight pulls and installs) = {100 * r['worker_cp_frac']:.2f} % of a group's "
+            f"generation; scoring + put + complete run beside the next generation: "
+            f"{fmt_ms(sims['put_s'] / max(1.0, sims['groups']))} of put + complete per group")
+    printer("  timed calls (client round trips on the real objects, whole run; dispatcher.* and buffer.* from the "
+            "driver and every simulated worker):")
+    trained = max(1, r["trained_samples"])
+    for name, (count, total, peak) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
+        printer(f"    {name:<36s} {int(count):8d} calls  mean {fmt_ms(total / max(1, count)):>10s}  "
+                f"max {fmt_ms(peak):>10s}  per trained sample {1e6 * total / trained:8.1f} us")
+    dt = max(1e-9, r["cpu_interval_s"])
+    cpu_line = ", ".join(f"{k} {100 * v / dt:.0f} %" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1])
+                         if v / dt > 0.005)
+    printer(f"  CPU in the window (% of one core): {cpu_line}")
+    printer(f"  machine: busy {100 * r['machine_busy']:.0f} % of {os.cpu_count()} cores; processes outside this run "
+            f"used {r['outside_cores']:.2f} cores")
+    refused, refused_s = calls.get("dispatcher.lease (refused)", [0, 0.0])[:2]
+    check = calls.get("weight_store.latest_version", [1, 0.0])
+    waiting_s = sims["idle_s"] + refused_s + refused * check[1] / max(1, check[0])
+    waiting = waiting_s / max(1e-9, r["wall_s"])
+    printer(f"  admission waits: {100 * waiting_s / max(1e-9, sims['wall_s']):.1f} % of worker time, {waiting:.1f} "
+            f"simulated workers on average, polling {refused / max(1e-9, r['wall_s']):.0f} refused leases/s (each: "
+            f"version check + lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
+            f"time, so at full scale as many waiting workers send the dispatcher up to "
+            f"{2 * waiting / spec.poll_s:.0f} calls/s")
+
+
+def name(r: dict[str, Any]) -> str:
+    """A setting's label: workers and, when given, the poll interval (``128@20ms``)."""
+    return f"{r['workers']}@{1e3 * r['poll_s']:g}ms" if "poll_s" in r else str(r["workers"])
+
+
+def goals(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
+    """The issue's goals: (text, met or None when no setting applies, details)."""
+    out = []
+    big = [r for r in results if r["workers"] >= 32]
+    out.append(("throughput >= 90 % of the ideal overlap bound at 32 and 128 simulated workers",
+                all(r["ratio"] >= 0.9 for r in big) if big else None,
+                ", ".join(f"{name(r)}: {100 * r['ratio']:.1f} %" for r in big)))
+    lb = [r for r in results if r["learner_bound"]]
+    out.append(("learner idle < 5 % whenever rollout capacity exceeds learner demand",
+                all(r["learner_idle"] < 0.05 for r in lb) if lb else None,
+                ", ".join(f"{name(r)}: {100 * r['learner_idle']:.1f} %" for r in lb)))
+    out.append(("staleness bound held (every trained sample's lag <= threshold)",
+                all(r["bound_held"] for r in results),
+                ", ".join(f"{name(r)}: max lag {r['max_lag']}" for r in results)))
+    out.append(("control plane < 1 % of a step's time (learner loop per step, worker loop per group)",
+                all(r["learner_cp_frac"] < 0.01 and r["worker_cp_frac"] < 0.01 for r in results),
+                ", ".join(f"{name(r)}: {100 * r['learner_cp_frac']:.2f} % / {100 * r['worker_cp_frac']:.2f} %"
+                          for r in results)))
+    return out
+
+
+def print_summary(results: list[dict[str, Any]], printer=print) -> None:
+    printer("\n== summary (samples per model second; CP = control plane share of a step / of a group) ==")
+    printer(f"{'setting':>10s} {'regime':>13s} {'ideal':>7s} {'got':>7s} {'ratio':>7s} {'l.idle':>7s} "
+            f"{'max lag':>7s} {'CP/step':>8s} {'CP/group':>8s} {'steps':>5s}")
+    for r in results:
+        printer(f"{name(r):>10s} {'learner-bound' if r['learner_bound'] else 'rollout-bound':>13s} "
+                f"{r['ideal']:7.3f} {r['throughput']:7.3f} {100 * r['ratio']:6.1f}% {100 * r['learner_idle']:6.1f}% "
+                f"{r['max_lag']:7d} {100 * r['learner_cp_frac']:7.2f}% {100 * r['worker_cp_frac']:7.2f}% "
+                f"{r['steps']:5d}")
+    for poll in sorted({r.get("poll_s") for r in results}, key=lambda v: v or 0.0):
+        subset = [r for r in results if r.get("poll_s") == poll]
+        printer(f"\ngoals (poll after a refused lease: {1e3 * poll:g} ms):" if poll else "\ngoals:")
+        for text, ok, detail in goals(subset):
+            printer(f"  [{'n/a' if ok is None else verdict(ok)}] {text} ({detail})")
+
+
+def print_model(spec: SimSpec, printer=print) -> None:
+    t, p = spec.time, spec.payload
+    printer("time model (model seconds; see TimeModel for sources and assumptions):")
+    printer(f"  group of {t.group_size} images: generation {t.gen_s:g} s (lognormal sigma {t.gen_sigma:g}), "
+            f"reward median {t.reward_median_s:g} s (lognormal sigma {t.reward_sigma:g}, mean "
+            f"{t.reward_mean_s():.2f} s, scored on {t.scoring_threads} threads beside generation)")
+    printer(f"  learner step: {t.batch_groups} groups = {t.batch_groups * t.group_size} samples in {t.update_s:g} s "
+            f"(sigma {t.update_sigma:g}) -> demand {t.demand():.2f} samples/s; one worker: "
+            f"{t.capacity(1):.3f} samples/s")
+    printer(f"  payload: {p.sample_bytes() / MiB:.1f} MiB per sample, {p.sample_bytes() * t.group_size / MiB:.0f} MiB "
+            f"per group at full size; sent at {spec.payload_scale:.4g}x = "
+            f"{p.sample_bytes() * t.group_size * spec.payload_scale / MiB:.1f} MiB per group")
+    printer(f"  weights: LoRA {p.lora_params() / 1e6:.1f} M params = {p.lora_bytes() / MiB:.0f} MiB in "
+            f"{p.lora_tensors()} tensors; sent at {spec.payload_scale:.4g}x")
+    printer(f"  compression: time / {spec.time_scale:g}; worker poll after a refused lease {spec.poll_s * 1e3:.0f} ms "
+            "(real seconds, the package default)")
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Goals (issue 17): >= 90 %% of the ideal bound at 32 and 128 workers; learner "
+                                       "idle < 5 %% when rollout capacity exceeds learner demand; staleness bound "
+                                       "held; control plane < 1 %% of a step.")
+    p.add_argument("--workers", default="8,32,128",
+                   help="comma list of simulated rollout worker counts; N@S polls every S real seconds after a "
+                        "refused lease instead of --poll-s (e.g. 128@0.25)")
+    p.add_argument("--time-scale", type=float, default=20.0, help="divide every modelled time by this")
+    p.add_argument("--payload-scale", type=float, default=None,
+                   help="fraction of the modelled payload and weight bytes actually sent (default 1/time-scale)")
+    p.add_argument("--seconds", type=float, default=60.0, help="real seconds of training per setting")
+    p.add_argument("--threshold", type=int, default=1, help="trainer.v1.sampler.max_off_policy_threshold")
+    p.add_argument("--actors", type=int, default=4, help="Ray actors hosting the simulated workers (<= 8)")
+    p.add_argument("--warmup-steps", type=int, default=3, help="learner steps left out of the measured window")
+    p.add_argument("--poll-s", type=float, default=0.02,
+                   help="a worker's sleep after a refused lease (real seconds; RolloutWorker.run_loop's default)")
+    p.add_argument("--batch-groups", type=int, default=None, help="prompt groups per learner step (default 32)")
+    p.add_argument("--group-size", type=int, default=None, help="images per prompt group (default 16)")
+    p.add_argument("--object-store-gb", type=float, default=4.0, help="Ray object store size")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None, help="also write every setting's figures to this JSON file")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 6 workers on 2 actors, 8 groups of 16 per step, 12 s at time scale 40")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.workers, args.seconds, args.time_scale, args.actors = "6", 12.0, 40.0, 2
+        args.batch_groups, args.warmup_steps = args.batch_groups or 8, 2
+    return args
+
+
+def build_spec(args) -> SimSpec:
+    t = TimeModel()
+    t = replace(t, batch_groups=args.batch_groups or t.batch_groups, group_size=args.group_size or t.group_size)
+    scale = args.payload_scale if args.payload_scale is not None else 1.0 / args.time_scale
+    return SimSpec(time=t, time_scale=args.time_scale, payload_scale=scale, poll_s=args.poll_s, seed=args.seed)
+
+
+def parse_settings(text: str, default_poll_s: float) -> list[tuple[int, float]]:
+    """``--workers``: ``8,32,128`` or with a poll interval per setting, ``128@0.25`` -> [(workers, poll_s)]."""
+    out = []
+    for item in (w.strip() for w in str(text).split(",")):
+        if not item:
+            continue
+        count, _, poll = item.partition("@")
+        try:
+            n, p = int(count), float(poll) if poll else default_poll_s
+        except ValueError:
+            raise SystemExit(f"--workers {text!r}: give a comma list of counts, each optionally with @<poll "
+                             "seconds>, e.g. 8,32,128,128@0.25") from None
+        if n < 1 or p <= 0:
+            raise SystemExit(f"--workers {text!r}: counts must be >= 1 and poll intervals > 0 ({item!r})")
+        out.append((n, p))
+    if not out:
+        raise SystemExit(f"--workers {text!r}: no setting given")
+    return out
+
+
+def check_args(args) -> list[tuple[int, float]]:
+    settings = parse_settings(args.workers, args.poll_s)
+    if not 1 <= args.actors <= 8:
+        raise SystemExit(f"--actors {args.actors}: between 1 and 8 (each is a Ray actor process)")
+    if args.time_scale <= 0 or args.seconds <= 0:
+        raise SystemExit("--time-scale and --seconds must be > 0")
+    if args.threshold < 0:
+        raise SystemExit(f"--threshold {args.threshold}: an integer >= 0")
+    return settings
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    settings = check_args(args)
+    spec = build_spec(args)
+    started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
+    t0 = time.perf_counter()
+    print(f"bench_scale {started}: {' '.join(sys.argv[1:]) or '(defaults)'}")
+    print_model(spec)
+    results = []
+    for n, poll_s in settings:
+        setting = replace(spec, poll_s=poll_s)
+        r = run_setting(n, args, setting, printer=lambda *a: None)
+        print_setting(r, setting)
+        results.append(r)
+    print_summary(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"started": started, "argv": sys.argv[1:], "results": results},
+                                              indent=1, default=float))
+    print(f"\nwall time {time.perf_counter() - t0:.0f} s (finished "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
