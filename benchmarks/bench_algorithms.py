@@ -33,12 +33,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
 
+from omnirl_async.demo import DIRECT_PREFERENCE as _DP  # noqa: E402
 from omnirl_async.demo import NFT_OVERRIDES, PG_ONLY  # noqa: E402
 from omnirl_async.models.heldout import bootstrap_gain, per_prompt_strict  # noqa: E402
 from omnirl_async.models.heldout import overall_accuracy as overall  # noqa: E402
-
-_DP = ["algorithm.trainer_type=direct_preference", "actor_rollout_ref.rollout.algo.noise_level=0.0",
-       "algorithm.timestep_fraction=0.5"]
 
 #: Per-algorithm overrides on top of RL_DEFAULTS (the documented defaults of each method, ALGORITHMS.md).
 ALGOS: dict[str, list[str]] = {

@@ -44,11 +44,14 @@ GENEVAL_RECIPE = [
 PG_ONLY = ("actor_rollout_ref.rollout.algo.sde_type", "actor_rollout_ref.rollout.algo.noise_level",
            "actor_rollout_ref.rollout.algo.sde_window", "algorithm.rollout_correction")
 
-#: DiffusionNFT's settings (docs/PREFERENCE.md): ODE rollouts through the old adapter, the x0 loss on half of
-#: the timesteps, the old adapter's decay going linearly to 0.5.
+#: What every direct-preference run here sets: the trainer type, ODE rollouts, the loss on half of the timesteps.
+DIRECT_PREFERENCE = ["algorithm.trainer_type=direct_preference", "actor_rollout_ref.rollout.algo.noise_level=0.0",
+                     "algorithm.timestep_fraction=0.5"]
+
+#: DiffusionNFT's settings (docs/PREFERENCE.md): DIRECT_PREFERENCE, rollouts through the old adapter, the old
+#: adapter's decay going linearly to 0.5.
 NFT_OVERRIDES = [
-    "actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.trainer_type=direct_preference",
-    "actor_rollout_ref.rollout.algo.noise_level=0.0", "algorithm.timestep_fraction=0.5",
+    "actor_rollout_ref.model.algorithm=diffusion_nft", *DIRECT_PREFERENCE,
     "actor_rollout_ref.model.policy_state_adapters=[default,old]", "actor_rollout_ref.rollout.rollout_adapter=old",
     "actor_rollout_ref.actor.diffusion_loss.mix_beta=1.0", "algorithm.old_policy_decay_schedule=linear_to_0_5",
 ]

@@ -58,6 +58,7 @@ class BaseTrainer:
         self.printer = printer
         # roles reserved in placement groups at their first actor (bounded by ray_kwargs.placement_timeout_s)
         self.placements = Placements(config, printer=printer)
+        # _validator: with sample_source=offline, one worker actor for validation, started when needed
         self.workers, self.reward_actors, self._validator = [], [], None
         try:
             self._setup(config, prompts, printer)
@@ -95,7 +96,6 @@ class BaseTrainer:
             config.reward, timeout_s=config.trainer.wait_timeout_s,
             placement=lambda i: self.placements.options("reward", i))
         self.workers = [self.make_worker(i) for i in range(0 if self.offline.only else aro.rollout.num_workers)]
-        self._validator = None  # sample_source=offline: one worker actor for validation, started when needed
         self.learners = self.make_learners()
         self._await_workers_started(float(config.trainer.wait_timeout_s))
         self.version = 0
