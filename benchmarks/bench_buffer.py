@@ -22,8 +22,10 @@ samples cross four transports:
                 empty) and ``clear_partition`` at the end of each round. Skipped
                 with a message when the package is missing;
 * ``buffer``  – this project's RayReplayBuffer, defaults: producer-owned payloads
-                (one ``ray.put`` + one controller call per put; under 64 KB the
-                bytes ride inside the controller call), one ``sample`` per batch;
+                (one ``ray.put`` per put, its controller registration sent in the
+                background and batched with others queued meanwhile; under 64 KB the
+                bytes ride inside the controller call), one ``sample`` per batch,
+                two requests in flight (``sample_async``);
 * ``durable`` – the same with ``producer_owned_payloads=false``: a storage-unit
                 actor copies each put into an object it owns (survives its producer).
 
@@ -45,6 +47,7 @@ Part 2 – sampling cost with 10^3 and 10^5 stored samples for every sampler
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import math
 import os
@@ -69,6 +72,7 @@ PER_PUT = [1, 8]
 BATCH = 8  # samples per consumer read
 ROUND_BYTES = 256 * 1024**2  # in flight per round (at least one put per producer)
 TQ_POLL_S = 0.005
+SAMPLES_IN_FLIGHT = 2  # the buffer's consumer keeps this many sample requests in flight (sample_async)
 TQ_INSTALL = "pip install -e .[transferqueue]  (or .venv/bin/pip install transferqueue==0.1.11)"
 TRANSPORTS = ["raw", "tq", "buffer", "durable"]
 
@@ -118,6 +122,7 @@ class Producer:
         for k in range(n_puts):
             buf.put(metas_for(prefix, base + k, self.x.shape[0]), {"x": self.x, "id": self._ids(base, k)},
                     timeout=120, producer=f"p{self.index}")
+        buf.flush(timeout=120)
         return n_puts
 
 
@@ -158,11 +163,13 @@ def round_tq(client, producers, n_puts: int, bases: list[int], per_put: int, par
 
 def round_buffer(buf, producers, n_puts: int, bases: list[int], per_put: int, prefix: str) -> list[np.ndarray]:
     done = [p.buffer.remote(buf, f"{prefix}-p{i}", n_puts, b) for i, (p, b) in enumerate(zip(producers, bases))]
-    total, got, n = n_puts * per_put * len(producers), [], 0
-    while n < total:
-        batch = buf.sample(min(BATCH, total - n), learner_version=0, timeout=120)
-        got.append(np.asarray(batch.fields["id"]))
-        n += len(batch.metas)
+    total, got, asked = n_puts * per_put * len(producers), [], 0
+    requests: collections.deque = collections.deque()
+    while asked < total or requests:
+        while len(requests) < SAMPLES_IN_FLIGHT and asked < total:  # batches are whole groups: exact sizes
+            requests.append(buf.sample_async(min(BATCH, total - asked), learner_version=0, timeout=120))
+            asked += min(BATCH, total - asked)
+        got.append(np.asarray(requests.popleft().result().fields["id"]))
     ray.get(done)
     return got
 

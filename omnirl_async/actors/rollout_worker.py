@@ -227,6 +227,7 @@ class RolloutWorker:
         metas, fields, (gen_s, reward_s) = self._score_group(group)
         t0 = time.perf_counter()
         buffer.put(metas, fields, timeout=put_timeout, producer=worker_id)  # it may own the payload
+        buffer.flush(timeout=put_timeout)  # admitted before the lease is done: a death before here re-leases it
         ray.get(dispatcher.complete.remote([group["lease"].lease_id]))
         with self._count_lock:
             self.counters["put_s"] += time.perf_counter() - t0

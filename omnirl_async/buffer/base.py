@@ -22,13 +22,13 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource
 
-__all__ = ["ReplayBuffer", "SampledBatch", "assemble_fields"]
+__all__ = ["ReplayBuffer", "SampledBatch", "SampleRequest", "assemble_fields"]
 
 
 @dataclass
@@ -65,6 +65,21 @@ class SampledBatch:
         return out
 
 
+class SampleRequest:
+    """A batch asked for ahead of use (:meth:`ReplayBuffer.sample_async`); :meth:`result` returns it once drawn."""
+
+    def __init__(self, resolve: Callable[[], SampledBatch]) -> None:
+        self._resolve: Callable[[], SampledBatch] | None = resolve
+        self._batch: SampledBatch | None = None
+
+    def result(self) -> SampledBatch:
+        """The batch (waiting for it); raises what :meth:`ReplayBuffer.sample` would have raised."""
+        if self._resolve is not None:
+            resolve, self._resolve = self._resolve, None
+            self._batch = resolve()
+        return self._batch
+
+
 class ReplayBuffer(ABC):
     """Version-aware, group-aware replay buffer.
 
@@ -91,6 +106,17 @@ class ReplayBuffer(ABC):
         holds inserts back; never drops data to make room.
         """
 
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until this process's puts are in the buffer; raises the error of one that failed.
+
+        The Ray buffer sends puts in the background (``transfer_queue.max_pending_puts``):
+        its ``put`` returns before the controller has admitted the group, and
+        an error the controller raises comes back at this process's next call.
+        Call ``flush`` before acting on a put (e.g. reporting the group's prompt
+        done). Every other call of a client flushes first. In-process buffers put
+        synchronously: nothing to do.
+        """
+
     def drop_producer(self, producer: str) -> int:
         """``producer`` died: drop its groups whose payload it owned; those never trained are generated again
         (refill requests, ``buffer/regenerated_groups``). Returns how many. In-process buffers own copies: 0."""
@@ -110,6 +136,20 @@ class ReplayBuffer(ABC):
         ``max_off_policy_threshold``) are never returned; they are evicted and
         counted in ``buffer/dropped_stale``.
         """
+
+    def sample_async(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
+                     source: SampleSource | str | None = None) -> SampleRequest:
+        """:meth:`sample`, asked for now and collected later with ``.result()``: a consumer keeps a request or
+        two in flight so that the buffer's round trip overlaps its own work (Reverb's samples in flight).
+
+        The Ray buffer sends the request at once (the controller draws the batch
+        as soon as it can; requests in flight together may be served in either
+        order); in-process buffers draw at ``.result()``. Staleness is judged at
+        ``learner_version``: a learner that asks ahead for its next update passes
+        the version that update will train at.
+        """
+        return SampleRequest(lambda: self.sample(batch_size, learner_version=learner_version, timeout=timeout,
+                                                 source=source))
 
     @abstractmethod
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:

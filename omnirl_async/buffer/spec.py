@@ -169,6 +169,8 @@ class TransportSpec:
     producer_owned_payloads: bool = True
     #: payloads below this many bytes travel inside the controller call and live in the controller
     inline_max_bytes: int = 64 * 1024
+    #: puts handed to a background sender per process before a put waits (0: each put waits for the controller)
+    max_pending_puts: int = 8
 
     def __post_init__(self) -> None:
         k = self.num_data_storage_units
@@ -178,6 +180,10 @@ class TransportSpec:
         if not (_is_int(b) and b >= 0):
             raise ValueError(f"`{_TQ}.inline_max_bytes` = {b!r}: must be an integer >= 0 (0 = every payload goes "
                              "through the object store)")
+        w = self.max_pending_puts
+        if not (_is_int(w) and w >= 0):
+            raise ValueError(f"`{_TQ}.max_pending_puts` = {w!r}: must be an integer >= 0 (0 = every put waits for the "
+                             "controller)")
         if not isinstance(self.producer_owned_payloads, bool):
             raise ValueError(f"`{_TQ}.producer_owned_payloads` = {self.producer_owned_payloads!r}: must be true "
                              "or false")
@@ -235,7 +241,7 @@ class BufferSpec:
                                 put_timeout_s=q.put_timeout_s)
         transport = TransportSpec(num_data_storage_units=q.num_data_storage_units,
                                   producer_owned_payloads=q.producer_owned_payloads,
-                                  inline_max_bytes=q.inline_max_bytes)
+                                  inline_max_bytes=q.inline_max_bytes, max_pending_puts=q.max_pending_puts)
         return cls(table=table, staleness=staleness, rate=rate, capacity=capacity, transport=transport,
                    offline_mix_ratio=b.offline_mix_ratio)
 

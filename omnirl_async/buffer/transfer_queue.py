@@ -19,6 +19,11 @@ Who holds what:
 
 So one put is two actor calls (unit, controller) and one sample is one actor
 call plus one ``ray.get`` – per *group* and per *batch*, never per sample.
+The controller call of a put does not hold the producer up: it goes to a
+background sender (:mod:`.put_sender`, ``transfer_queue.max_pending_puts``
+per process) which batches the registrations that queue up while one call is
+in flight; errors come back at the producer's next call, and every other
+call of a client (``sample``, ``size``, ...) first waits for its own puts.
 Small payloads (under ``transfer_queue.inline_max_bytes``, 64 KB: e.g. a group of 4 KB samples) skip
 the unit: they travel inside the controller call, live in the controller's
 heap and come back inside the sample reply – one call each way, since at
@@ -57,6 +62,7 @@ come back as values and are re-raised here with their original type.
 from __future__ import annotations
 
 import functools
+import threading
 import zlib
 from typing import Any, Sequence
 
@@ -64,9 +70,10 @@ import msgspec
 import numpy as np
 import ray
 
-from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, assemble_fields
+from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, SampleRequest, assemble_fields
 from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.local import check_field_names, prepare_put
+from omnirl_async.buffer.put_sender import PendingPut, PutSender
 from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
@@ -143,6 +150,11 @@ class _Controller:
                     held = {g for t in self.core.tables.values() for g in t.groups}
                 self.producer_of = {g: p for g, p in self.producer_of.items() if g in held}
         return n
+
+    @_guard
+    def put_many(self, items: list[tuple]) -> list[tuple]:
+        """Several :meth:`put` s in one call, in order: one ("ok", n) / ("err", exc) per item."""
+        return [self.put(*item) for item in items]
 
     @_guard
     def drop_producer(self, producer: str) -> int:
@@ -257,12 +269,15 @@ class RayReplayBuffer(ReplayBuffer):
     """Client of the transfer queue; see the module docstring. Build with :meth:`create`."""
 
     def __init__(self, controller, units: list, default_timeout: float, producer_owned: bool = True,
-                 inline_max_bytes: int = 64 * 1024, *, owner: bool = False) -> None:
+                 inline_max_bytes: int = 64 * 1024, max_pending_puts: int = 8, *, owner: bool = False) -> None:
         self._controller = controller
         self._units = list(units)
         self._default_timeout = default_timeout
         self._producer_owned = producer_owned
         self._inline_max_bytes = int(inline_max_bytes)
+        self._max_pending_puts = int(max_pending_puts)
+        self._sender: PutSender | None = None  # made by the first put of this process (it is not pickled)
+        self._sender_lock = threading.Lock()
         self._owner = owner
 
     @classmethod
@@ -282,14 +297,14 @@ class RayReplayBuffer(ReplayBuffer):
                  for i in range(spec.transport.num_data_storage_units)]
         controller = TransferQueueController.options(**(controller_options or {})).remote(spec, seed, units)
         buf = cls(controller, units, float(spec.capacity.put_timeout_s), spec.transport.producer_owned_payloads,
-                  spec.transport.inline_max_bytes, owner=True)
+                  spec.transport.inline_max_bytes, spec.transport.max_pending_puts, owner=True)
         ray.get(controller.assert_healthy.remote(), timeout=120)
         return buf
 
     def __reduce__(self):
         # Pickles to handles: a copy in another process is a client, never the owner (it won't kill actors).
         return (RayReplayBuffer, (self._controller, self._units, self._default_timeout, self._producer_owned,
-                                  self._inline_max_bytes))
+                                  self._inline_max_bytes, self._max_pending_puts))
 
     # ------------------------------------------------------------------ calls
     def _wait(self, ref, timeout: float | None):
@@ -300,7 +315,25 @@ class RayReplayBuffer(ReplayBuffer):
         return value
 
     def _call(self, name: str, *args):
+        self.flush()
         return self._wait(self._controller.call.remote(name, *args), 0.0)
+
+    def _send_puts(self, items: list[tuple], timeout: float) -> list[tuple]:
+        """The sender's controller call: a batch of registrations; raises if the call itself fails."""
+        status, value = ray.get(self._controller.put_many.remote(items), timeout=timeout + RPC_GRACE_S)
+        if status == "err":
+            raise value
+        return value
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until this process's puts are admitted by the controller; raises a failed put's error."""
+        if self._sender is not None:
+            self._sender.flush(self._default_timeout + RPC_GRACE_S if timeout is None else float(timeout))
+
+    @property
+    def pending_puts(self) -> int:
+        """Puts of this process handed to the background sender and not yet admitted."""
+        return 0 if self._sender is None else self._sender.pending
 
     # -------------------------------------------------------------------- API
     def put(self, metas: Sequence[SampleMeta], fields: dict[str, Any], *, timeout: float | None = None,
@@ -313,32 +346,53 @@ class RayReplayBuffer(ReplayBuffer):
         ref, owner = None, None
         if any(m.status is SampleStatus.SUCCESS for m in metas) and payload:
             if sum(v.nbytes for v in payload.values()) < self._inline_max_bytes:
-                ref = payload
+                # a copy: the caller may reuse its arrays before the background sender serialises them
+                ref = {k: np.array(v, copy=True) for k, v in payload.items()} if self._max_pending_puts else payload
             elif self._producer_owned:  # one copy; dies with this process (then regenerated, see above)
                 ref, owner = ray.put(payload), producer
             else:
                 unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
                 ref = ray.get(unit.store.remote(payload), timeout=self._default_timeout + RPC_GRACE_S)[0]
-        self._wait(self._controller.put.remote(_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()},
-                                               row_nbytes, timeout, owner), timeout)
+        args = (_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()}, row_nbytes, timeout, owner)
+        if self._max_pending_puts == 0:  # each put waits for the controller
+            self._wait(self._controller.put.remote(*args), timeout)
+            return
+        if self._sender is None:
+            with self._sender_lock:
+                if self._sender is None:
+                    self._sender = PutSender(self._send_puts, self._max_pending_puts)
+        t = self._default_timeout if timeout is None else float(timeout)
+        self._sender.submit(PendingPut(args, metas[0].tags.group_uid, t), t)
 
     def drop_producer(self, producer: str) -> int:
+        self.flush()  # this client's own puts first
         return self._wait(self._controller.drop_producer.remote(str(producer)), 0.0)
 
     def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
                source: SampleSource | str | None = None) -> SampledBatch:
+        self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample.remote(
             batch_size, learner_version, timeout, None if source is None else SampleSource(source).value), timeout))
 
+    def sample_async(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
+                     source: SampleSource | str | None = None) -> SampleRequest:
+        self.flush()  # this client's own puts first
+        ref = self._controller.sample.remote(batch_size, learner_version, timeout,
+                                             None if source is None else SampleSource(source).value)
+        return SampleRequest(lambda: self._batch(*self._wait(ref, timeout)))
+
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
+        self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)),
                                        0.0))
 
     def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
+        self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_offline.remote(int(num_online),
                                                                               int(learner_version)), 0.0))
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:
+        self.flush()  # this client's own puts first
         return self._wait(self._controller.load_offline.remote(str(run_dir)), 600.0)
 
     def _batch(self, raw: bytes, parts, info) -> SampledBatch:
@@ -375,6 +429,7 @@ class RayReplayBuffer(ReplayBuffer):
         return [metas[i] for i in keep], local, {k: np.asarray(v)[keep] for k, v in info.items()}
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
+        self.flush()  # this client's own puts first
         raw, parts = self._wait(self._controller.get.remote(list(keys)), 0.0)
         metas = _METAS.decode(raw)
         kept, local, _ = self._fetch(metas, parts, {})
@@ -412,16 +467,27 @@ class RayReplayBuffer(ReplayBuffer):
         return self._call("metrics")
 
     def snapshot(self, path: str) -> None:
+        self.flush()  # this client's own puts first
         self._wait(self._controller.snapshot.remote(str(path)), 600.0)  # lost groups: dropped and regenerated
 
     def restore(self, path: str) -> None:
+        self.flush()  # this client's own puts first
         self._wait(self._controller.restore.remote(str(path)), 600.0)
 
     def assert_healthy(self) -> None:
         ray.get(self._controller.assert_healthy.remote(), timeout=60)
 
     def close(self) -> None:
-        """Kill the actors if this client created them; other copies just drop their handles."""
+        """Send this process's pending puts, then kill the actors if this client created them (other copies
+        just drop their handles)."""
+        try:
+            if self._sender is not None and self._controller is not None:
+                self._sender.close()
+                self.flush()
+        finally:
+            self._close_actors()
+
+    def _close_actors(self) -> None:
         if self._owner and self._controller is not None:
             for a in [self._controller, *self._units]:
                 try:

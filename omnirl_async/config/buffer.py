@@ -104,3 +104,7 @@ class TransferQueueConfig:
                                 "controller call and are kept by the controller (one call, and they outlive their "
                                 "producer); larger ones go through the object store. 0 = always the object store.",
                                 ge=0)
+    max_pending_puts: int = opt(8, "Puts a process hands to a background sender without waiting for the controller "
+                                "to admit them (registrations queued meanwhile go out together, one call per batch); "
+                                "a put beyond that waits. Errors come back at the next buffer call; rollout workers "
+                                "flush before reporting a group done. 0 = every put waits for the controller.", ge=0)

@@ -96,6 +96,7 @@ class SyncTrainer(BaseTrainer):
                 continue
             metas, fields, stats = out
             self.buffer.put(metas, fields, timeout=self.wait_timeout_s)
+            self.buffer.flush(timeout=self.wait_timeout_s)  # admitted before its prompts are done
             self.dispatcher.complete([lease.lease_id for lease in shard])
             num += len(metas)
             self.samples_generated += len(metas)

@@ -303,3 +303,14 @@ def test_factory_local():
     assert b.size() == 2
     with pytest.raises(ValueError, match=r"`buffer`: no config section given"):
         make_replay_buffer(None, sampler_cfg(), tq_cfg(), use_ray=False)
+
+
+def test_sample_async_draws_at_result_with_the_version_it_was_asked_at():
+    buf = LocalReplayBuffer(spec(s=sampler_cfg(max_off_policy_threshold=1)), seed=0)
+    req = buf.sample_async(4, learner_version=3, timeout=0.1)  # in-process: nothing drawn yet
+    buf.put(*make_group("v0", 4, version=0))
+    buf.put(*make_group("v3", 4, version=3))
+    assert buf.size() == 8
+    batch = req.result()
+    assert batch.keys == [f"v3/{i}" for i in range(4)]  # judged at version 3: v0, 3 behind, is stale
+    assert req.result() is batch  # drawn once

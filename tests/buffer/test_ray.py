@@ -59,6 +59,7 @@ class Producer:
     def run(self, prefix: str, n_groups: int, dim: int = 3, producer: str | None = None) -> int:
         for g in range(n_groups):
             self.buf.put(*make_group(f"{prefix}g{g}", 4, dim=dim), timeout=60, producer=producer)
+        self.buf.flush(timeout=60)  # as a rollout worker does before it reports the groups done
         return n_groups
 
     def probe(self) -> list:
@@ -211,12 +212,15 @@ def test_a_snapshot_skips_a_dead_producers_groups_and_regenerates_them(rbuf, tmp
 
 def test_errors_come_back_with_their_type(rbuf):
     rbuf.put(*make_group("g", 2))
-    with pytest.raises(ValueError, match="key `g/0` is already in the buffer"):
-        rbuf.put(*make_group("g", 2))
+    rbuf.put(*make_group("g", 2))  # sent in the background: the controller's error comes back at the next call
+    with pytest.raises(ValueError, match="key `g/0` is already in the buffer") as err:
+        rbuf.flush()
+    assert "put of group(s) `g`" in " ".join(err.value.__notes__)
     metas, fields = make_group("h", 2)
     fields["x"] = fields["x"].astype(np.float64)
+    rbuf.put(metas, fields)
     with pytest.raises(ValueError, match="sample `h/0` field `x`"):
-        rbuf.put(metas, fields)
+        rbuf.size()  # any later call of this client reports it, once
     with pytest.raises(TimeoutError, match=r"need 4 from online"):
         rbuf.sample(4, learner_version=0, timeout=0.2)
     with pytest.raises(KeyError, match="sample `nope`"):
@@ -272,3 +276,56 @@ def test_inline_max_bytes_decides_whether_a_small_group_depends_on_its_producer(
         assert buf.size() == 2 - 2 * regenerated
     finally:
         buf.close()
+
+
+def test_puts_go_out_in_batches_in_order_and_a_sample_sees_them(rbuf):
+    rbuf.put(*make_group("first", 2))
+    rbuf.flush()
+    sender = rbuf._sender
+    calls, sent = sender.calls, sender.sent
+    for g in range(30):  # inline groups: a put costs far less than a controller call, so they queue up
+        rbuf.put(*make_group(f"b{g:02d}", 2))
+    assert rbuf.pending_puts <= TransportSpec().max_pending_puts
+    rbuf.sample(2, learner_version=0, timeout=30)  # "first"
+    batch = rbuf.sample(60, learner_version=0, timeout=30)  # flushes this client's puts first
+    assert [m.key for m in batch.metas] == [f"b{g:02d}/{i}" for g in range(30) for i in range(2)]  # fifo = put order
+    assert rbuf.pending_puts == 0
+    assert sender.sent - sent == 30 and sender.calls - calls < 30  # several registrations per controller call
+
+
+@pytest.mark.parametrize("max_pending_puts", [0, 1])
+def test_max_pending_puts_decides_where_a_full_buffer_holds_a_producer(ray_session, max_pending_puts):
+    # capacity for 2 groups, nobody samples: with 0 the third put itself times out in the controller; with 1
+    # the third put returns (handed to the sender, which waits in the controller) and the fourth waits for room
+    buf = make_replay_buffer(buffer_cfg(max_size=64), sampler_cfg(),
+                             tq_cfg(total_storage_size=4, put_timeout_s=1.0, max_pending_puts=max_pending_puts),
+                             use_ray=True, seed=0)
+    try:
+        buf.put(*make_group("a", 2))
+        buf.put(*make_group("b", 2))
+        if max_pending_puts == 0:
+            with pytest.raises(TimeoutError, match="timed out waiting for room"):
+                buf.put(*make_group("c", 2))
+            assert buf.pending_puts == 0
+        else:
+            buf.put(*make_group("c", 2))
+            assert buf.pending_puts == 1
+            with pytest.raises(TimeoutError, match=r"`transfer_queue.max_pending_puts` = 1"):
+                buf.put(*make_group("d", 2), timeout=0.5)
+            with pytest.raises(TimeoutError, match="timed out waiting for room") as err:  # the third put's own error, at the next call
+                buf.flush()
+            assert "put of group(s) `c`" in " ".join(err.value.__notes__)
+        assert sorted(buf.list_keys()) == ["a/0", "a/1", "b/0", "b/1"]
+    finally:
+        buf.close()
+
+
+def test_sample_requests_in_flight_are_each_served_whole_groups_once(rbuf):
+    first = rbuf.sample_async(4, learner_version=0, timeout=30)  # asked before anything is there
+    second = rbuf.sample_async(4, learner_version=0, timeout=30)
+    rbuf.put(*make_group("s0", 4))
+    rbuf.put(*make_group("s1", 4))
+    got = sorted([first.result().keys, second.result().keys])  # in flight together: either order
+    assert got == [[f"s0/{i}" for i in range(4)], [f"s1/{i}" for i in range(4)]]
+    with pytest.raises(TimeoutError, match="need 4 from online"):
+        rbuf.sample_async(4, learner_version=0, timeout=0.2).result()
