@@ -191,6 +191,7 @@ class SimSpec:
     time_scale: float = 20.0
     payload_scale: float = 1 / 20
     poll_s: float = 0.02  # RolloutWorker.run_loop's default: sleep after a lease that admission refused
+    lease_wait_s: float = 2.0  # RolloutWorker.run_loop's default: a refused lease waits this long in the dispatcher
     seed: int = 0
 
     def real(self, model_s: float) -> float:
@@ -388,15 +389,17 @@ class SimHost:
         return min(s.version for s in self.sims)
 
     def run_loop(self, dispatcher, store, buffer, *, worker_id: str, poll_s: float | None = None,
-                 put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, Any]:
+                 lease_wait_s: float | None = None, put_timeout: float = 600.0,
+                 slowdown_s: float = 0.0) -> dict[str, Any]:
         """Every simulated worker runs the real ``RolloutWorker.run_loop`` over timed handles; the first
         error of any of them is raised at once (the trainer re-raises it)."""
         d = TimedHandle(dispatcher, "dispatcher", self.clock)
         s = TimedHandle(store, "weight_store", self.clock)
         b = TimedObject(buffer, "buffer", self.clock)
         poll = self.spec.poll_s if poll_s is None else poll_s
+        wait_s = self.spec.lease_wait_s if lease_wait_s is None else lease_wait_s
         futures = [self.threads.submit(sim.run_loop, d, s, b, worker_id=f"{worker_id}.s{j}", poll_s=poll,
-                                       put_timeout=put_timeout, slowdown_s=slowdown_s)
+                                       lease_wait_s=wait_s, put_timeout=put_timeout, slowdown_s=slowdown_s)
                    for j, sim in enumerate(self.sims)]
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         for f in done:
@@ -495,6 +498,9 @@ class SimTrainer(SeparateAsyncTrainer):
 
     def make_buffer(self):
         return TimedObject(super().make_buffer(), "buffer", self.clock)
+
+    def lease_waiters(self) -> int:
+        return sum(self.layout)  # every simulated worker may wait in the dispatcher
 
     def make_learners(self):
         return learner_group_class(self.spec)(self.config, use_ray=True, num_threads=1)
@@ -711,7 +717,7 @@ def analyse(trainer: SimTrainer, hosts: list[dict], spec: SimSpec, *, workers: i
     outside = max(0.0, busy * (os.cpu_count() or 1) - sum(cpu.values()) / max(1e-9, interval))
     window_calls = calls_in_window(trainer.clock.snapshot(), marks.get("calls0", {}))
     return {
-        "workers": workers, "poll_s": spec.poll_s, "layout": layout, "threshold": args.threshold, "time_scale": S,
+        "workers": workers, "poll_s": spec.poll_s, "lease_wait_s": spec.lease_wait_s, "layout": layout, "threshold": args.threshold, "time_scale": S,
         "payload_scale": spec.payload_scale, "wall_s": wall, "build_s": build_s,
         "steps": len(trainer.records), "window_steps": len(body), "window_s": span, "samples": samples,
         "throughput": thr_model, "ideal": ideal, "ratio": thr_model / ideal, "capacity": t.capacity(workers),
@@ -767,7 +773,8 @@ def print_setting(r: dict[str, Any], spec: SimSpec, printer=print) -> None:
     regime = "learner-bound" if r["learner_bound"] else "rollout-bound"
     printer(f"\n== {r['workers']} simulated rollout workers on {len(r['layout'])} Ray actors "
             f"({'/'.join(map(str, r['layout']))}), threshold {r['threshold']}, time scale {S:g}x, "
-            f"poll after a refused lease {1e3 * r['poll_s']:g} ms ==")
+            + (f"a refused lease waits up to {r['lease_wait_s']:g} s in the dispatcher =="
+               if r.get("lease_wait_s", 0.0) > 0 else f"poll after a refused lease {1e3 * r['poll_s']:g} ms =="))
     printer(f"regime: {regime}: rollout capacity {r['capacity']:.2f} vs learner demand {r['demand']:.2f} "
             "samples/model-s")
     printer(f"run: {r['wall_s']:.0f} s real ({r['wall_s'] * S / 60:.0f} model-min), {r['steps']} learner steps; "
@@ -808,20 +815,31 @@ def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None
     printer(f"  CPU in the window (% of one core): {cpu_line}")
     printer(f"  machine: busy {100 * r['machine_busy']:.0f} % of {os.cpu_count()} cores; processes outside this run "
             f"used {r['outside_cores']:.2f} cores")
-    refused, refused_s = calls.get("dispatcher.lease (refused)", [0, 0.0])[:2]
+    refused = calls.get("dispatcher.lease (refused)", [0, 0.0])[0]
     check = calls.get("weight_store.latest_version", [1, 0.0])
-    waiting_s = sims["idle_s"] + refused_s + refused * check[1] / max(1, check[0])
+    # a worker's idle_s runs from its refused lease call to its next version check: it holds the lease's wait
+    waiting_s = sims["idle_s"] + refused * check[1] / max(1, check[0])
     waiting = waiting_s / max(1e-9, r["wall_s"])
     printer(f"  admission waits: {100 * waiting_s / max(1e-9, sims['wall_s']):.1f} % of worker time, {waiting:.1f} "
             f"simulated workers on average, polling {refused / max(1e-9, r['wall_s']):.0f} refused leases/s (each: "
-            f"version check + lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
-            f"time, so at full scale as many waiting workers send the dispatcher up to "
-            f"{2 * waiting / spec.poll_s:.0f} calls/s")
+            + (f"version check + a lease that waits up to {spec.lease_wait_s:g} s in the dispatcher + should_stop)"
+               if spec.lease_wait_s > 0 else
+               f"version check + lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
+               f"time, so at full scale as many waiting workers send the dispatcher up to "
+               f"{2 * waiting / spec.poll_s:.0f} calls/s"))
+
+
+def waits_text(r: dict[str, Any]) -> str:
+    """How a worker waits after a refused lease: ``wait`` (in the dispatcher) or the poll interval (``20ms``)."""
+    if r.get("lease_wait_s", 0.0) > 0:
+        return "wait"
+    return f"{1e3 * r['poll_s']:g}ms" if "poll_s" in r else ""
 
 
 def name(r: dict[str, Any]) -> str:
-    """A setting's label: workers and, when given, the poll interval (``128@20ms``)."""
-    return f"{r['workers']}@{1e3 * r['poll_s']:g}ms" if "poll_s" in r else str(r["workers"])
+    """A setting's label: workers and how they wait after a refused lease (``128@wait``, ``128@20ms``)."""
+    how = waits_text(r)
+    return f"{r['workers']}@{how}" if how else str(r["workers"])
 
 
 def goals(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
@@ -854,9 +872,10 @@ def print_summary(results: list[dict[str, Any]], printer=print) -> None:
                 f"{r['ideal']:7.3f} {r['throughput']:7.3f} {100 * r['ratio']:6.1f}% {100 * r['learner_idle']:6.1f}% "
                 f"{r['max_lag']:7d} {100 * r['learner_cp_frac']:7.2f}% {100 * r['worker_cp_frac']:7.2f}% "
                 f"{r['steps']:5d}")
-    for poll in sorted({r.get("poll_s") for r in results}, key=lambda v: v or 0.0):
-        subset = [r for r in results if r.get("poll_s") == poll]
-        printer(f"\ngoals (poll after a refused lease: {1e3 * poll:g} ms):" if poll else "\ngoals:")
+    for how in sorted({waits_text(r) for r in results}):
+        subset = [r for r in results if waits_text(r) == how]
+        label = {"wait": "refused leases wait in the dispatcher", "": ""}.get(how, f"refused leases poll every {how}")
+        printer(f"\ngoals ({label}):" if label else "\ngoals:")
         for text, ok, detail in goals(subset):
             printer(f"  [{'n/a' if ok is None else verdict(ok)}] {text} ({detail})")
 
@@ -875,8 +894,8 @@ def print_model(spec: SimSpec, printer=print) -> None:
             f"{p.sample_bytes() * t.group_size * spec.payload_scale / MiB:.1f} MiB per group")
     printer(f"  weights: LoRA {p.lora_params() / 1e6:.1f} M params = {p.lora_bytes() / MiB:.0f} MiB in "
             f"{p.lora_tensors()} tensors; sent at {spec.payload_scale:.4g}x")
-    printer(f"  compression: time / {spec.time_scale:g}; worker poll after a refused lease {spec.poll_s * 1e3:.0f} ms "
-            "(real seconds, the package default)")
+    printer(f"  compression: time / {spec.time_scale:g}; after a refused lease a worker waits up to "
+            f"{spec.lease_wait_s:g} s in the dispatcher (or, with N@S settings, polls every S s; real seconds)")
 
 
 # ----------------------------------------------------------------------------------------------- CLI
@@ -897,7 +916,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--actors", type=int, default=4, help="Ray actors hosting the simulated workers (<= 8)")
     p.add_argument("--warmup-steps", type=int, default=3, help="learner steps left out of the measured window")
     p.add_argument("--poll-s", type=float, default=0.02,
-                   help="a worker's sleep after a refused lease (real seconds; RolloutWorker.run_loop's default)")
+                   help="a worker's sleep after a refused lease when --lease-wait-s is 0 (real seconds; "
+                        "RolloutWorker.run_loop's default)")
+    p.add_argument("--lease-wait-s", type=float, default=2.0,
+                   help="how long a refused lease waits in the dispatcher for a learner update or a lease given "
+                        "back (real seconds; RolloutWorker.run_loop's default); 0 = poll every --poll-s")
     p.add_argument("--batch-groups", type=int, default=None, help="prompt groups per learner step (default 32)")
     p.add_argument("--group-size", type=int, default=None, help="images per prompt group (default 16)")
     p.add_argument("--object-store-gb", type=float, default=4.0, help="Ray object store size")
@@ -916,22 +939,24 @@ def build_spec(args) -> SimSpec:
     t = TimeModel()
     t = replace(t, batch_groups=args.batch_groups or t.batch_groups, group_size=args.group_size or t.group_size)
     scale = args.payload_scale if args.payload_scale is not None else 1.0 / args.time_scale
-    return SimSpec(time=t, time_scale=args.time_scale, payload_scale=scale, poll_s=args.poll_s, seed=args.seed)
+    return SimSpec(time=t, time_scale=args.time_scale, payload_scale=scale, poll_s=args.poll_s,
+                   lease_wait_s=args.lease_wait_s, seed=args.seed)
 
 
-def parse_settings(text: str, default_poll_s: float) -> list[tuple[int, float]]:
-    """``--workers``: ``8,32,128`` or with a poll interval per setting, ``128@0.25`` -> [(workers, poll_s)]."""
+def parse_settings(text: str) -> list[tuple[int, float | None]]:
+    """``--workers``: ``8,32,128`` or with a poll interval per setting, ``128@0.25`` -> [(workers, poll_s)];
+    poll_s None: the setting uses ``--lease-wait-s`` / ``--poll-s``."""
     out = []
     for item in (w.strip() for w in str(text).split(",")):
         if not item:
             continue
         count, _, poll = item.partition("@")
         try:
-            n, p = int(count), float(poll) if poll else default_poll_s
+            n, p = int(count), float(poll) if poll else None
         except ValueError:
             raise SystemExit(f"--workers {text!r}: give a comma list of counts, each optionally with @<poll "
                              "seconds>, e.g. 8,32,128,128@0.25") from None
-        if n < 1 or p <= 0:
+        if n < 1 or (p is not None and p <= 0):
             raise SystemExit(f"--workers {text!r}: counts must be >= 1 and poll intervals > 0 ({item!r})")
         out.append((n, p))
     if not out:
@@ -940,7 +965,7 @@ def parse_settings(text: str, default_poll_s: float) -> list[tuple[int, float]]:
 
 
 def check_args(args) -> list[tuple[int, float]]:
-    settings = parse_settings(args.workers, args.poll_s)
+    settings = parse_settings(args.workers)
     if not 1 <= args.actors <= 8:
         raise SystemExit(f"--actors {args.actors}: between 1 and 8 (each is a Ray actor process)")
     if args.time_scale <= 0 or args.seconds <= 0:
@@ -960,7 +985,8 @@ def main(argv=None) -> int:
     print_model(spec)
     results = []
     for n, poll_s in settings:
-        setting = replace(spec, poll_s=poll_s)
+        # N@S: poll every S seconds after a refused lease (no wait in the dispatcher), the loop before long-polls
+        setting = spec if poll_s is None else replace(spec, poll_s=poll_s, lease_wait_s=0.0)
         r = run_setting(n, args, setting, printer=lambda *a: None)
         print_setting(r, setting)
         results.append(r)

@@ -35,6 +35,7 @@ shared actor of the asynchronous mode.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import numpy as np
@@ -71,6 +72,9 @@ class PromptDispatcher(LockedState):
         self.admission = admission
         self.batch_groups = batch_groups or (admission.batch_groups if admission is not None else None)
         self._lock = threading.Lock()
+        #: notified whenever a refused lease might now be granted (waiting leases, see ``lease(wait_s=...)``)
+        self._changed = threading.Condition(self._lock)
+        self._updates_seen = 0  # learner updates announced (a waiting lease returns so the worker takes weights)
         self._next_ticket = 0
         self._done_frontier = 0  # every ticket below this one is completed
         self._done_above: set[int] = set()
@@ -122,8 +126,8 @@ class PromptDispatcher(LockedState):
 
     # ------------------------------------------------------------------ leases
     def lease(self, num: int, *, global_step: int | None, worker_id: str = "driver",
-              worker_version: int | None = None,
-              cross_epoch: bool = True) -> list[PromptLease]:
+              worker_version: int | None = None, cross_epoch: bool = True,
+              wait_s: float = 0.0) -> list[PromptLease]:
         """Up to ``num`` new leases; fewer when the run is exhausted, paused, or admission says wait.
 
         ``worker_version`` is the policy version the worker will generate with;
@@ -132,39 +136,62 @@ class PromptDispatcher(LockedState):
         the group the same way however the workers interleave. With ``cross_epoch`` the next epoch starts
         when the current one is fully leased, so one call may return prompts
         of two epochs.
+
+        ``wait_s`` > 0: when nothing can be leased, wait up to that long for
+        something that may change it (a learner update, leases given back or
+        requeued, a new threshold, un-pausing, stop) instead of returning at
+        once – one call per wait instead of a poll every few milliseconds. It
+        returns early, possibly empty, on a learner update (so that the worker
+        takes the new weights first) and on stop. The actor needs a thread per
+        waiting worker (``max_concurrency``).
         """
-        out: list[PromptLease] = []
+        deadline = time.monotonic() + max(0.0, float(wait_s))
         with self._lock:
-            if self._paused or self._stopped:
-                return out
-            bound = self.admission.bound() if self.admission is not None else None  # travels as max_lag
-            while len(out) < num:
-                lease = self._take_returned(worker_version)
-                if lease is not None:  # same ticket, group uid and seed; a new lease id, admitted again now
-                    lease = PromptLease(**{**_fields(lease), "lease_id": new_uid(), "max_lag": bound})
-                else:
-                    if not self._admits(self._next_ticket, worker_version):
+            updates = self._updates_seen
+            while True:
+                out = self._lease_locked(num, global_step, worker_id, worker_version, cross_epoch)
+                left = deadline - time.monotonic()
+                if out or left <= 0 or self._stopped or self._updates_seen != updates:
+                    return out
+                self._changed.wait(left)
+
+    def _lease_locked(self, num: int, global_step: int | None, worker_id: str, worker_version: int | None,
+                      cross_epoch: bool) -> list[PromptLease]:
+        out: list[PromptLease] = []
+        if self._paused or self._stopped:
+            return out
+        bound = self.admission.bound() if self.admission is not None else None  # travels as max_lag
+        while len(out) < num:
+            lease = self._take_returned(worker_version)
+            if lease is not None:  # same ticket, group uid and seed; a new lease id, admitted again now
+                lease = PromptLease(**{**_fields(lease), "lease_id": new_uid(), "max_lag": bound})
+            else:
+                if not self._admits(self._next_ticket, worker_version):
+                    break
+                if self._cursor >= len(self._order):
+                    if self._returned or not (cross_epoch and self._maybe_advance_epoch()):
                         break
-                    if self._cursor >= len(self._order):
-                        if self._returned or not (cross_epoch and self._maybe_advance_epoch()):
-                            break
-                    i = self._order[self._cursor]
-                    self._cursor += 1
-                    step = global_step
-                    if step is None:
-                        if not self.batch_groups:
-                            raise ValueError("`global_step` is None but the dispatcher has no batch_groups to "
-                                             "derive it from the ticket")
-                        step = self._next_ticket // self.batch_groups + 1
-                    seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1
-                    lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
-                                        epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=step,
-                                        negative_prompt=self.negative_prompt, ticket=self._next_ticket,
-                                        max_lag=bound, fields=self._fields_of(i))
-                    self._next_ticket += 1
-                self._outstanding[lease.lease_id] = (lease, worker_id)
-                out.append(lease)
+                i = self._order[self._cursor]
+                self._cursor += 1
+                step = global_step
+                if step is None:
+                    if not self.batch_groups:
+                        raise ValueError("`global_step` is None but the dispatcher has no batch_groups to "
+                                         "derive it from the ticket")
+                    step = self._next_ticket // self.batch_groups + 1
+                seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1
+                lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
+                                    epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=step,
+                                    negative_prompt=self.negative_prompt, ticket=self._next_ticket,
+                                    max_lag=bound, fields=self._fields_of(i))
+                self._next_ticket += 1
+            self._outstanding[lease.lease_id] = (lease, worker_id)
+            out.append(lease)
         return out
+
+    def _wake(self) -> None:
+        """Under the lock: waiting leases look again."""
+        self._changed.notify_all()
 
     def complete(self, lease_ids: list[str]) -> None:
         with self._lock:
@@ -185,6 +212,7 @@ class PromptDispatcher(LockedState):
                 entry = self._outstanding.pop(lid, None)
                 if entry is not None:
                     self._returned.appendleft(entry[0])
+            self._wake()
 
     def mark_trained(self, tickets: list[int]) -> None:
         """The groups of these tickets were trained: forget their leases."""
@@ -225,6 +253,7 @@ class PromptDispatcher(LockedState):
                                               negative_prompt=self.negative_prompt, ticket=self._next_ticket,
                                               fields=self._fields_of(index)))
             self._next_ticket += 1
+            self._wake()
 
     def release_worker(self, worker_id: str) -> int:
         """Return every lease held by a (dead) worker; returns how many."""
@@ -256,6 +285,9 @@ class PromptDispatcher(LockedState):
         """The learner finished ``updates_done`` updates (admission capacity grows)."""
         if self.admission is not None:
             self.admission.on_update(updates_done)
+        with self._lock:
+            self._updates_seen += 1
+            self._wake()
 
     def set_threshold(self, threshold: int) -> None:
         """Admit the next lease under ``threshold`` (``max_off_policy_threshold: auto``); needs admission control."""
@@ -263,6 +295,7 @@ class PromptDispatcher(LockedState):
             raise ValueError("`set_threshold` needs an AdmissionController (separate_async); sync trains on-policy")
         with self._lock:  # never between a lease's admission and its max_lag stamp
             self.admission.set_threshold(threshold)
+            self._wake()
 
     def threshold(self) -> int | None:
         """The threshold the next lease is admitted under (None without admission control)."""
@@ -271,10 +304,12 @@ class PromptDispatcher(LockedState):
     def pause(self, paused: bool = True) -> None:
         with self._lock:
             self._paused = paused
+            self._wake()
 
     def stop(self) -> None:
         with self._lock:
             self._stopped = True
+            self._wake()
 
     def should_stop(self) -> bool:
         with self._lock:

@@ -138,11 +138,15 @@ class RolloutWorker:
 
     # ------------------------------------------------------------------ continuous loop (separate_async)
     def run_loop(self, dispatcher, store, buffer, *, worker_id: str, poll_s: float = 0.02,
-                 put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, float]:
+                 lease_wait_s: float = 2.0, put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, float]:
         """Lease → (new weights between requests) → generate → score → put → complete, until the trainer stops it.
 
-        ``slowdown_s`` adds a sleep per group (tests and benchmarks of stragglers).
-        Returns the final counters.
+        A lease that admission control refuses waits in the dispatcher up to
+        ``lease_wait_s`` for something to change (a learner update, a lease given
+        back, ...; ``PromptDispatcher.lease(wait_s=...)``) – one call per wait
+        instead of three calls every ``poll_s``; with ``lease_wait_s=0`` the loop
+        polls every ``poll_s``. ``slowdown_s`` adds a sleep per group (tests and
+        benchmarks of stragglers). Returns the final counters.
         """
         import ray
 
@@ -160,13 +164,14 @@ class RolloutWorker:
             t1 = time.perf_counter()
             self.counters["weights_s"] += t1 - t0
             leases = ray.get(dispatcher.lease.remote(1, global_step=None, worker_id=worker_id,
-                                                     worker_version=self.version))
+                                                     worker_version=self.version, wait_s=lease_wait_s))
             if not leases:
                 # Only the trainer ends the loop: a run whose prompts are all leased may still hand out
                 # refills (a group evicted for failed members) or leases of a worker that died.
                 if ray.get(dispatcher.should_stop.remote()):
                     break
-                time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)
+                if lease_wait_s <= 0:
+                    time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)
                 self.counters["idle_s"] += time.perf_counter() - t1
                 continue
             group = self._sample_group(leases[0], self.window.select(leases[0].global_step))

@@ -104,8 +104,14 @@ class SeparateAsyncTrainer(BaseTrainer):
 
         admission = AdmissionController(threshold=self.threshold, batch_groups=self.batch_prompts,
                                         updates_per_version=self.updates_per_version(), strategy=self.strategy)
-        return ray.remote(num_cpus=0)(PromptDispatcher).remote(prompts, admission=admission,
-                                                               **self.dispatcher_kwargs())
+        # a thread per rollout loop: a refused lease waits in the dispatcher (RolloutWorker.run_loop's
+        # lease_wait_s), and the trainer's own calls must still get through
+        return ray.remote(num_cpus=0, max_concurrency=self.lease_waiters() + 8)(PromptDispatcher).remote(
+            prompts, admission=admission, **self.dispatcher_kwargs())
+
+    def lease_waiters(self) -> int:
+        """How many rollout loops may wait in the dispatcher at once (one per rollout worker)."""
+        return int(self.config.actor_rollout_ref.rollout.num_workers)
 
     def make_buffer(self):
         buffer_cfg = self.config.buffer

@@ -125,3 +125,52 @@ def test_settle_below_forgets_failed_and_trained_tickets():
     d.complete([x.lease_id for x in d.lease(4, global_step=None)])
     d.settle_below(2)
     assert d.num_untrained() == 2 and [p["ticket"] for p in d.get_state()["untrained"]] == [2, 3]
+
+
+def _refusing_dispatcher() -> PromptDispatcher:
+    """Threshold 0, one group per update: after one lease, the next waits for the learner's update."""
+    from omnirl_async.actors.staleness import AdmissionController
+
+    d = PromptDispatcher([f"p{i}" for i in range(8)], n=2, shuffle=False,
+                         admission=AdmissionController(threshold=0, batch_groups=1))
+    assert len(d.lease(1, global_step=None, worker_version=0)) == 1
+    assert d.lease(1, global_step=None, worker_version=0) == []  # refused at once without wait_s
+    return d
+
+
+@pytest.mark.parametrize("wake", ["release", "requeue", "stop", "nothing"])
+def test_a_refused_lease_waits_until_something_changes(wake):
+    import threading
+    import time
+
+    d = _refusing_dispatcher()
+    held = d.outstanding()[0]
+    actions = {"release": lambda: d.release([held.lease_id]), "stop": d.stop, "nothing": lambda: None,
+               "requeue": lambda: d.requeue("g-again", "p0", 2)}
+    timer = threading.Timer(0.3, actions[wake])
+    timer.start()
+    t = time.monotonic()
+    got = d.lease(1, global_step=None, worker_version=0, wait_s=2.0)
+    waited = time.monotonic() - t
+    timer.join()
+    if wake == "release":  # the given-back lease is admitted again at once
+        assert [x.ticket for x in got] == [held.ticket] and 0.25 < waited < 1.5
+    elif wake == "requeue":  # a requeued group takes a new ticket: admission still says wait
+        assert got == [] and waited > 1.9
+    elif wake == "stop":
+        assert got == [] and 0.25 < waited < 1.5
+    else:
+        assert got == [] and 1.9 < waited < 3.0
+
+
+def test_a_waiting_lease_returns_on_a_learner_update_so_the_worker_takes_new_weights():
+    import threading
+    import time
+
+    d = _refusing_dispatcher()
+    threading.Timer(0.3, d.on_update, args=(1,)).start()
+    t = time.monotonic()
+    got = d.lease(1, global_step=None, worker_version=0, wait_s=5.0)
+    assert time.monotonic() - t < 2.0
+    # back early: a worker still at version 0 may or may not be admitted; one at version 1 is
+    assert len(got) + len(d.lease(1, global_step=None, worker_version=1)) >= 1
