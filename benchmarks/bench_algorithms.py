@@ -59,11 +59,18 @@ def base_overrides(algo: str) -> list[str]:
 
 
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:
+    return run_setting(algo, base_overrides(algo) + ALGOS[algo], args, out, prompts, base)
+
+
+def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base) -> dict:
+    """Train ``overrides`` for ``args.minutes``, checkpointing every ``args.eval_every`` steps, and score every
+    checkpoint on ``prompts``: steps, minutes, before/after, gain with its CI, minutes to +10, the curve.
+    ``benchmarks/bench_staleness.py`` runs its settings through here too."""
     from omnirl_async.config import load_config
     from omnirl_async.trainer.task_runner import TaskRunner
 
-    run = out / algo
-    cfg = load_config(base_overrides(algo) + ALGOS[algo] + [
+    run = out / label
+    cfg = load_config(overrides + [
         f"trainer.total_time_minutes={args.minutes}", "trainer.total_training_steps=100000",
         f"trainer.save_freq={args.eval_every}", f"trainer.default_local_dir={run / 'ckpt'}",
         f"trainer.log_dir={run / 'tb'}", f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}",
@@ -86,16 +93,18 @@ def run_one(algo: str, args, out: Path, prompts, base) -> dict:
         if to_target is None and 100 * (curve[-1][1] - curve[0][1]) >= 10:
             to_target = minute
         last = acc
-        print(f"  {algo:<14} step {step:>5} {minute:5.1f} min  overall {curve[-1][1]:.3f}", flush=True)
+        print(f"  {label:<14} step {step:>5} {minute:5.1f} min  overall {curve[-1][1]:.3f}", flush=True)
     gain, lo, hi = bootstrap_gain(names, before, last, seed=args.seed)
     return {"steps": summary["global_step"], "minutes": minutes, "before": curve[0][1], "after": curve[-1][1],
-            "gain": gain, "ci": [lo, hi], "minutes_to_plus10": to_target, "curve": curve}
+            "gain": gain, "ci": [lo, hi], "minutes_to_plus10": to_target, "curve": curve, "run_dir": str(run),
+            "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
 
 
-def plot(results: dict, path: Path) -> None:
+def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenEval overall) vs training "
+         "wall-clock") -> None:
     from PIL import Image, ImageDraw, ImageFont
 
-    colours = ["blue", "red", "green", "orange", "purple", "brown", "black"]
+    colours = ["blue", "red", "green", "orange", "purple", "brown", "black", "gray", "cyan", "magenta", "olive"]
     w, h, pad = 720, 400, 52
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
@@ -118,7 +127,7 @@ def plot(results: dict, path: Path) -> None:
         if len(r["curve"]) > 1:
             d.line([xy(m, v) for m, v in r["curve"]], fill=c, width=2)
         d.text((w - pad - 110, pad + 14 * i), algo, fill=c, font=font)
-    d.text((pad + 8, 8), "held-out strict accuracy (GenEval overall) vs training wall-clock", fill="black", font=font)
+    d.text((pad + 8, 8), title, fill="black", font=font)
     img.save(path)
 
 

@@ -32,3 +32,32 @@ def test_geneval_rl_recipe_loads_and_its_reward_runs():
     scored = reward(image, ["a red square"])
     assert scored.extra["tiny_geneval/strict"].tolist() == [1.0]
     np.testing.assert_allclose(scored.scores, [1 / 3], rtol=1e-6)
+
+
+def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_staleness")
+    args = bench.argparse.Namespace(recipe="nft", strategies=["wait", "drop"], thresholds=[0, 2], auto=True)
+    got = {label: load_config(overrides) for label, overrides in bench.settings(args)}
+    assert list(got) == ["sync", "async t=0 wait", "async t=2 wait", "async t=0 drop", "async t=2 drop"]  # no auto
+    assert got["sync"].trainer.v1.trainer_mode == "sync"
+    for label, cfg in got.items():
+        assert cfg.actor_rollout_ref.model.algorithm == "diffusion_nft"  # one recipe for every setting
+        if label != "sync":
+            s = cfg.trainer.v1.sampler
+            assert cfg.trainer.v1.trainer_mode == "separate_async"
+            assert (str(s.max_off_policy_threshold), s.max_off_policy_strategy) == {
+                "async t=0 wait": ("0", "wait"), "async t=2 wait": ("2", "wait"), "async t=0 drop": ("0", "drop"),
+                "async t=2 drop": ("2", "drop"), "async auto": ("auto", "wait")}[label]
+    args.recipe, args.strategies, args.thresholds = "geneval", ["wait"], [1]
+    auto = dict(bench.settings(args))["async auto"]
+    assert str(load_config(auto).trainer.v1.sampler.max_off_policy_threshold) == "auto"
+    results = {"sync": {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": 0.2, "after": 0.35,
+                        "gain": 15.0, "ci": [10.0, 20.0], "minutes_to_plus10": 3.0},
+               "async t=1 wait": {"steps": 20, "metrics": {**dict.fromkeys(bench.METRICS), "perf/throughput": 9.5},
+                                  "before": 0.2, "after": 0.4, "gain": 20.0, "ci": [15.0, 25.0],
+                                  "minutes_to_plus10": 2.0}}
+    rows = bench.table(results)
+    assert rows[2].endswith("| 3.0 | 1.00x |") and rows[3].endswith("| 2.0 | 1.50x |") and "| 9.5 |" in rows[3]

@@ -1,0 +1,167 @@
+"""Time to accuracy: sync vs separate_async at several staleness thresholds, same seeds and wall-clock (issue 17).
+
+    python benchmarks/bench_staleness.py [--minutes 4] [--eval-every 15] [--thresholds 0,1,2,4]
+                                         [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
+                                         [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/staleness]
+
+Trains the embedded shapes model with one recipe (``nft``: the demo's
+DiffusionNFT recipe, the fastest learner in ``bench_algorithms.py``; ``geneval``:
+FlowGRPO's GENEVAL_RECIPE) for ``--minutes`` of wall-clock per setting:
+
+* ``sync`` – generate, then train, in turn (2 rollout workers, 2 learner processes);
+* ``async t=K (wait|drop)`` – ``trainer.v1.trainer_mode=separate_async``
+  with ``max_off_policy_threshold=K`` and that strategy (2 rollout workers at
+  nice 10 beside 1 learner, the demo's layout on 2 cores);
+* ``async auto`` – ``max_off_policy_threshold: auto`` (``trainer.v1.sampler.auto``
+  defaults; docs/AUTO_THRESHOLD.md), strategy ``wait``; ``geneval`` only (it
+  steers by the rollout/learner mismatch, which DiffusionNFT never measures).
+
+Every setting checkpoints every ``--eval-every`` steps; each checkpoint is
+scored on the held-out prompts (GenEval protocol: ODE sampling, fixed seeds,
+strict = all clauses met, overall = mean over the categories). Printed per
+setting: steps, samples consumed, samples/s (``perf/throughput``), learner
+idle (``perf/learner_idle_frac``), ``rollout_corr/kl`` and ``rollout_corr/ess``
+(means over the run; "-" where the loss applies no rollout correction, e.g.
+DiffusionNFT), held-out accuracy before / after with a paired bootstrap 95 %
+interval on the gain, and **wall-clock minutes to +10 points** (first
+checkpoint at or above; interpolating would flatter coarse curves), with
+the speed-up over sync. Writes ``<out>/curves.png`` (accuracy vs minutes, one
+line per setting) and ``<out>/results.json``. On 2 shared cores expect a
+minute or two of noise in the time to +10: run it twice (``--seed``) before
+believing a ranking.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_algorithms import plot, run_setting  # noqa: E402
+from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
+
+from omnirl_async.demo import NFT_OVERRIDES, PG_ONLY  # noqa: E402
+
+#: separate_async on 2 cores: the demo's layout (rollouts niced so that the learner, the critical path, keeps a core)
+ASYNC = ["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.num_workers=2",
+         "learner.num_workers=1", "actor_rollout_ref.rollout.nice=10"]
+RECIPES = {
+    "nft": [o for o in RL_DEFAULTS if not o.split("=", 1)[0].startswith(PG_ONLY)] + NFT_OVERRIDES,
+    "geneval": list(RL_DEFAULTS),
+}
+#: recipes ``auto`` can steer: it reads the rollout/learner mismatch, which direct-preference losses never measure
+#: (config validation refuses ``auto`` with them)
+AUTO_RECIPES = ("geneval",)
+METRICS = ["perf/throughput", "perf/learner_idle_frac", "rollout_corr/kl", "rollout_corr/ess"]
+
+
+def settings(args) -> list[tuple[str, list[str]]]:
+    """(label, overrides) of every setting, sync first."""
+    base = RECIPES[args.recipe]
+    out = [("sync", base)]
+    for strategy in args.strategies:
+        for k in args.thresholds:
+            out.append((f"async t={k} {strategy}", base + ASYNC + [
+                f"trainer.v1.sampler.max_off_policy_threshold={k}",
+                f"trainer.v1.sampler.max_off_policy_strategy={strategy}"]))
+    if args.auto and args.recipe in AUTO_RECIPES:
+        out.append(("async auto", base + ASYNC + ["trainer.v1.sampler.max_off_policy_threshold=auto",
+                                                  "trainer.v1.sampler.max_off_policy_strategy=wait"]))
+    return out
+
+
+def run_metrics(run_dir: Path) -> dict[str, float | None]:
+    """Means over the run of :data:`METRICS` (None when never logged)."""
+    out = {}
+    for tag in METRICS:
+        vals = [v for _w, _s, v in _scalars(run_dir / "tb", tag)]
+        out[tag] = float(np.mean(vals)) if vals else None
+    return out
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def table(results: dict, sync_key: str = "sync") -> list[str]:
+    lines = ["| setting | steps | samples/s | learner idle % | rollout_corr/kl | IS ESS | before | after | "
+             "gain (95 % CI) | min to +10 | vs sync |", "|" + "---|" * 11]
+    base = results.get(sync_key, {}).get("minutes_to_plus10")
+    for label, r in results.items():
+        m, t = r["metrics"], r["minutes_to_plus10"]
+        speed = f"{base / t:.2f}x" if (t and base) else ("-" if label == sync_key or t is None else "sync: never")
+        lines.append(
+            f"| {label} | {r['steps']} | {fmt(m['perf/throughput'], '.1f')} | "
+            f"{fmt(None if m['perf/learner_idle_frac'] is None else 100 * m['perf/learner_idle_frac'], '.0f')} | "
+            f"{fmt(m['rollout_corr/kl'], '.2g')} | {fmt(m['rollout_corr/ess'], '.2f')} | {100 * r['before']:.1f} % | "
+            f"{100 * r['after']:.1f} % | {r['gain']:+.1f} ({r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}) | "
+            f"{'not reached' if t is None else f'{t:.1f}'} | {speed} |")
+    return lines
+
+
+def _list(kind, choices=None):
+    def parse(text: str):
+        out = [kind(v) for v in text.split(",") if v]
+        if not out or (choices is not None and any(v not in choices for v in out)):
+            raise argparse.ArgumentTypeError(f"{text!r}: a comma list" + (f" from {choices}" if choices else ""))
+        return out
+    return parse
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=4.0, help="training wall-clock per setting")
+    ap.add_argument("--eval-every", type=int, default=15, help="checkpoint (and score) every N steps")
+    ap.add_argument("--thresholds", type=_list(int), default=[0, 1, 2, 4], help="max_off_policy_threshold values")
+    ap.add_argument("--strategies", type=_list(str, ["wait", "drop"]), default=["wait", "drop"])
+    ap.add_argument("--no-auto", dest="auto", action="store_false", help="leave out max_off_policy_threshold: auto")
+    ap.add_argument("--recipe", choices=sorted(RECIPES), default="nft")
+    ap.add_argument("--num-prompts", type=int, default=256)
+    ap.add_argument("--images-per-prompt", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench_out/staleness")
+    ap.add_argument("overrides", nargs="*", help="overrides for every setting")
+    args = ap.parse_args(argv)
+    if any(k < 0 for k in args.thresholds):
+        ap.error(f"--thresholds {args.thresholds}: integers >= 0")
+    if args.auto and args.recipe not in AUTO_RECIPES:
+        print(f"(no `auto` setting: recipe {args.recipe} is a direct-preference loss, which measures no "
+              "rollout/learner mismatch for `auto` to steer by; --recipe geneval has one)")
+
+    import torch
+
+    from omnirl_async.config import load_config
+    from omnirl_async.data.prompts import heldout_prompts
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(2)
+    prompts = heldout_prompts()[: args.num_prompts]
+    cfg0 = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"])
+    base = evaluate(cfg0, None, prompts, args.seed)
+    t0 = time.time()
+    results: dict[str, dict] = {}
+    for label, overrides in settings(args):
+        r = run_setting(label.replace(" ", "_").replace("=", ""), overrides, args, out, prompts, base)
+        r["metrics"] = run_metrics(Path(r["run_dir"]))
+        results[label] = r
+        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    plot({k: v for k, v in results.items()}, out / "curves.png",
+         title="held-out strict accuracy vs training wall-clock: sync and separate_async thresholds")
+    print(f"\nrecipe {args.recipe}, {args.minutes:g} min per setting, held-out GenEval overall strict accuracy "
+          f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed}); {time.time() - t0:.0f} s:")
+    print("\n".join(table(results)))
+    print(f"curves: {out / 'curves.png'}; command: python benchmarks/bench_staleness.py "
+          f"{' '.join(argv if argv is not None else sys.argv[1:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
