@@ -131,22 +131,17 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
     img.save(path)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=20.0, help="training wall-clock per algorithm")
-    ap.add_argument("--eval-every", type=int, default=60, help="checkpoint (and evaluate) every N steps")
-    ap.add_argument("--algos", default=",".join(ALGOS), help=f"comma list from {list(ALGOS)}")
+def add_heldout_args(ap, out_default: str) -> None:
+    """The held-out scoring and output options every time-to-accuracy benchmark shares."""
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--images-per-prompt", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench_out/algorithms")
+    ap.add_argument("--out", default=out_default)
     ap.add_argument("overrides", nargs="*", help="overrides for every run")
-    args = ap.parse_args(argv)
-    algos = [a for a in args.algos.split(",") if a]
-    unknown = [a for a in algos if a not in ALGOS]
-    if unknown:
-        ap.error(f"--algos: unknown {unknown}; choose from {list(ALGOS)}")
 
+
+def heldout_setup(args):
+    """(output folder, held-out prompts, the base model's scores on them)."""
     import torch
 
     from omnirl_async.config import load_config
@@ -157,7 +152,21 @@ def main(argv=None) -> int:
     torch.set_num_threads(2)
     prompts = heldout_prompts()[: args.num_prompts]
     cfg0 = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"])
-    base = evaluate(cfg0, None, prompts, args.seed)
+    return out, prompts, evaluate(cfg0, None, prompts, args.seed)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--minutes", type=float, default=20.0, help="training wall-clock per algorithm")
+    ap.add_argument("--eval-every", type=int, default=60, help="checkpoint (and evaluate) every N steps")
+    ap.add_argument("--algos", default=",".join(ALGOS), help=f"comma list from {list(ALGOS)}")
+    add_heldout_args(ap, "bench_out/algorithms")
+    args = ap.parse_args(argv)
+    algos = [a for a in args.algos.split(",") if a]
+    unknown = [a for a in algos if a not in ALGOS]
+    if unknown:
+        ap.error(f"--algos: unknown {unknown}; choose from {list(ALGOS)}")
+    out, prompts, base = heldout_setup(args)
     results = {}
     for algo in algos:
         results[algo] = run_one(algo, args, out, prompts, base)

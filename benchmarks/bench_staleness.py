@@ -44,8 +44,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_algorithms import plot, run_setting  # noqa: E402
-from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
+from bench_algorithms import add_heldout_args, heldout_setup, plot, run_setting  # noqa: E402
+from bench_geneval_rl import RL_DEFAULTS, _scalars  # noqa: E402
 
 from omnirl_async.demo import NFT_OVERRIDES, PG_ONLY  # noqa: E402
 
@@ -123,11 +123,7 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", type=_list(str, ["wait", "drop"]), default=["wait", "drop"])
     ap.add_argument("--no-auto", dest="auto", action="store_false", help="leave out max_off_policy_threshold: auto")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="nft")
-    ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--images-per-prompt", type=int, default=4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default="bench_out/staleness")
-    ap.add_argument("overrides", nargs="*", help="overrides for every setting")
+    add_heldout_args(ap, "bench_out/staleness")
     args = ap.parse_args(argv)
     if any(k < 0 for k in args.thresholds):
         ap.error(f"--thresholds {args.thresholds}: integers >= 0")
@@ -135,17 +131,7 @@ def main(argv=None) -> int:
         print(f"(no `auto` setting: recipe {args.recipe} is a direct-preference loss, which measures no "
               "rollout/learner mismatch for `auto` to steer by; --recipe geneval has one)")
 
-    import torch
-
-    from omnirl_async.config import load_config
-    from omnirl_async.data.prompts import heldout_prompts
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(2)
-    prompts = heldout_prompts()[: args.num_prompts]
-    cfg0 = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"])
-    base = evaluate(cfg0, None, prompts, args.seed)
+    out, prompts, base = heldout_setup(args)
     t0 = time.time()
     results: dict[str, dict] = {}
     for label, overrides in settings(args):
@@ -153,7 +139,7 @@ def main(argv=None) -> int:
         r["metrics"] = run_metrics(Path(r["run_dir"]))
         results[label] = r
         (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    plot({k: v for k, v in results.items()}, out / "curves.png",
+    plot(results, out / "curves.png",
          title="held-out strict accuracy vs training wall-clock: sync and separate_async thresholds")
     print(f"\nrecipe {args.recipe}, {args.minutes:g} min per setting, held-out GenEval overall strict accuracy "
           f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed}); {time.time() - t0:.0f} s:")
