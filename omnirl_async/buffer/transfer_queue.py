@@ -370,9 +370,8 @@ class RayReplayBuffer(ReplayBuffer):
 
     def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
                source: SampleSource | str | None = None) -> SampledBatch:
-        self.flush()  # this client's own puts first
-        return self._batch(*self._wait(self._controller.sample.remote(
-            batch_size, learner_version, timeout, None if source is None else SampleSource(source).value), timeout))
+        return self.sample_async(batch_size, learner_version=learner_version, timeout=timeout,
+                                 source=source).result()
 
     def sample_async(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
                      source: SampleSource | str | None = None) -> SampleRequest:

@@ -90,18 +90,19 @@ class SyncTrainer(BaseTrainer):
             t0 = time.perf_counter()
             outputs = self._run_shards(shards)
             self.gen_wall_s += time.perf_counter() - t0
-        num = 0
+        num, done = 0, []
         for shard, out in zip(shards, outputs):
             if not shard:
                 continue
             metas, fields, stats = out
-            self.buffer.put(metas, fields, timeout=self.wait_timeout_s)
-            self.buffer.flush(timeout=self.wait_timeout_s)  # admitted before its prompts are done
-            self.dispatcher.complete([lease.lease_id for lease in shard])
+            self.buffer.put(metas, fields, timeout=self.wait_timeout_s)  # the shards' puts go out together
+            done.extend(lease.lease_id for lease in shard)
             num += len(metas)
             self.samples_generated += len(metas)
             self.worker_gen_s += stats.get("timing_s/gen", 0.0)
             self.step_reward_s += stats.get("timing_s/reward", 0.0)
+        self.buffer.flush(timeout=self.wait_timeout_s)  # admitted before their prompts are done
+        self.dispatcher.complete(done)
         return {"num": num}
 
     # ------------------------------------------------------------------ hooks of the one loop
