@@ -1,13 +1,16 @@
 """Offline preference data mixed into asynchronous training: online only vs offline only vs mixed, same wall-clock.
 
     python benchmarks/bench_offline_mix.py [--minutes 10] [--algo diffusion_nft] [--mode separate_async]
-                                           [--ratios 0.25,0.5] [--pairs 256] [--num-prompts 256]
+                                           [--ratios 0.25,0.5] [--pairs 256] [--pairs-from renders|model]
+                                           [--model-samples 8] [--num-prompts 256]
                                            [--images-per-prompt 4] [--eval-every 40] [--out bench_out/offline_mix]
     python benchmarks/bench_offline_mix.py --quick      # a < 1 minute smoke of the whole pipeline
 
 Builds a preference dataset from the embedded shapes world with
 ``scripts/make_preference_dataset.py`` (per training prompt: a render that
-meets every clause vs one that breaks one clause), ingests it once
+meets every clause vs one that breaks one clause; with ``--pairs-from model``
+the best vs the worst of ``--model-samples`` samples of the base model, ranked
+by the reward, drawn with the runs' config), ingests it once
 (``omnirl-async ingest``'s :func:`~omnirl_async.trainer.ingest.ingest_dataset`)
 and gives every run that reads offline data a copy of that store. Then trains
 the same direct-preference loss (``--algo``, settings of
@@ -57,8 +60,9 @@ def variants(ratios: list[float]) -> dict[str, list[str]]:
     return out
 
 
-def build_store(args, out: Path, cfg) -> Path:
-    """The preference dataset, ingested once; every run that reads offline data gets a copy of the store."""
+def build_store(args, out: Path, cfg, config_overrides: list[str]) -> Path:
+    """The preference dataset (renders, or ``--model-samples`` samples of the base model ranked by the reward, drawn
+    with the runs' config), ingested once; every run that reads offline data gets a copy of the store."""
     import importlib.util
 
     from omnirl_async.trainer.ingest import ingest_dataset
@@ -71,7 +75,9 @@ def build_store(args, out: Path, cfg) -> Path:
     data = out / "pref_data"
     if data.exists():
         shutil.rmtree(data)
-    script.main(["--out", str(data), "--num-prompts", str(args.pairs), "--seed", str(args.seed)])
+    source = ["--model-samples", str(args.model_samples), *config_overrides] if args.pairs_from == "model" else []
+    if script.main(["--out", str(data), "--num-prompts", str(args.pairs), "--seed", str(args.seed), *source]):
+        raise SystemExit(f"make_preference_dataset.py made no pair from {args.pairs} prompts (--pairs-from {args.pairs_from})")
     store = out / "store"
     if store.exists():
         shutil.rmtree(store)
@@ -127,6 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--mode", default="separate_async", choices=("sync", "separate_async"))
     ap.add_argument("--ratios", default="0.25,0.5", help="offline_mix_ratio values of the mixed runs")
     ap.add_argument("--pairs", type=int, default=256, help="training prompts of the preference dataset (one pair each)")
+    ap.add_argument("--pairs-from", choices=("renders", "model"), default="renders",
+                    help="renders: a render meeting every clause vs one breaking one; model: best vs worst of "
+                         "--model-samples samples of the base model, ranked by the reward")
+    ap.add_argument("--model-samples", type=int, default=8, metavar="K", help="with --pairs-from model")
     ap.add_argument("--eval-every", type=int, default=40, help="checkpoint (and evaluate) every N updates")
     ap.add_argument("--num-prompts", type=int, default=256, help="held-out prompts")
     ap.add_argument("--images-per-prompt", type=int, default=4)
@@ -152,9 +162,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
     prompts = heldout_prompts()[: args.num_prompts]
-    cfg0 = load_config(base_overrides(args.algo) + ALGOS[args.algo] + args.shared +
-                       [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}", *args.overrides])
-    store = build_store(args, out, cfg0)
+    overrides0 = base_overrides(args.algo) + ALGOS[args.algo] + args.shared + [
+        f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}", *args.overrides]
+    cfg0 = load_config(overrides0)
+    store = build_store(args, out, cfg0, overrides0)
     base = evaluate(load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"]
                                 + args.shared), None, prompts, args.seed)
     started = init_ray(cfg0)  # one Ray for every run (TaskRunner joins it)
@@ -169,7 +180,7 @@ def main(argv=None) -> int:
     plot(results, out / "curves.png")
     print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {args.images_per_prompt} images, "
           f"seed {args.seed}); {args.algo}, {args.mode}, {args.minutes:g} min of training each, offline store "
-          f"{args.pairs} pairs:")
+          f"{args.pairs} prompts, pairs from {args.pairs_from}:")
     print("| run | updates | offline share | before | after | gain (95 % CI) | best (step: overall) |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():

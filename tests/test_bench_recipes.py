@@ -4,6 +4,7 @@ import importlib.util
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from omnirl_async.config import load_config
 from omnirl_async.data.shapes import PALETTE, shape_template
@@ -61,3 +62,24 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
                                   "minutes_to_plus10": 2.0}}
     rows = bench.table(results)
     assert rows[2].endswith("| 3.0 | 1.00x |") and rows[3].endswith("| 2.0 | 1.50x |") and "| 9.5 |" in rows[3]
+
+
+@pytest.mark.slow
+def test_offline_mix_quick_run_with_model_sample_pairs(tmp_path):
+    """The whole bench_offline_mix pipeline on a tiny world, its store built from ranked samples of the base model."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "om"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_offline_mix.py"), "--quick", "--pairs-from",
+                           "model", "--model-samples", "3", "--out", str(out)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "pref_data" / "data.jsonl").read_text().splitlines()]
+    assert rows and {r["source"] for r in rows} == {"model-samples"}
+    assert all(r["chosen_score"] > r["rejected_score"] and r["metadata"]["samples"] == 3 for r in rows)
+    results = json.loads((out / "results.json").read_text())
+    assert set(results) == {"online", "offline", "mix_0.5"}
+    assert results["online"]["offline_frac"] == 0.0 and results["offline"]["offline_frac"] == 1.0
+    assert "pairs from model" in proc.stdout
