@@ -340,12 +340,17 @@ class PromptDispatcher(LockedState):
         samples of completed, untrained groups was restored too; when it was
         not, those groups go back to the queue (same ticket, group uid and
         seed) and their tickets count as not done, so they are generated again
-        and trained once.
+        and trained once. So do the groups of the tickets listed under
+        ``state["held"]`` in any case: the trainer had already taken them out
+        of the buffer for its next update when it saved (separate_async
+        samples a batch ahead), so no snapshot holds them.
         """
         if state["num_prompts"] != len(self.prompts):
             raise ValueError(f"checkpoint has {state['num_prompts']} prompts but the dataset has "
                              f"{len(self.prompts)}; resume needs the same `data.train_files`.")
         untrained = [PromptLease(**p) for p in state.get("untrained", [])]
+        held = {int(t) for t in state.get("held", [])}
+        lost = untrained if not samples_restored else [x for x in untrained if x.ticket in held]
         with self._lock:
             self.epoch = int(state["epoch"])
             self._order = [int(i) for i in state["order"]]
@@ -353,17 +358,16 @@ class PromptDispatcher(LockedState):
             pending = [PromptLease(**p) for p in state["pending"]]
             done_above = {int(t) for t in state["done_above"]}
             frontier = int(state["done_frontier"])
-            self._untrained = {x.ticket: x for x in untrained}
-            if not samples_restored and untrained:
+            redo = {x.ticket for x in lost}
+            self._untrained = {x.ticket: x for x in untrained if x.ticket not in redo}
+            if redo:
                 # their samples are gone with the process: generate them again under their own tickets
-                pending += untrained
-                redo = {x.ticket for x in untrained}
+                pending += lost
                 below = [t for t in range(frontier) if t in redo]
                 if below:
                     done_above |= set(range(min(below), frontier)) - redo
                     frontier = min(below)
                 done_above -= redo
-                self._untrained = {}
             self._returned = deque(sorted(pending, key=lambda x: x.ticket))
             self._outstanding.clear()
             self._next_ticket = int(state["next_ticket"])
@@ -371,7 +375,7 @@ class PromptDispatcher(LockedState):
             self._done_above = done_above
         if self.admission is not None and state.get("admission"):
             self.admission.load_state_dict(state["admission"])
-        return len(untrained) if not samples_restored else 0
+        return len(lost)
 
 
 def _fields(lease: PromptLease) -> dict:

@@ -47,8 +47,8 @@ from omnirl_async.learners.learner import Learner, NonFiniteError
 from omnirl_async.metrics import reduce_metrics
 from omnirl_async.placement import RolePlacement, role_request
 
-__all__ = ["LearnerDiedError", "LearnerGroup", "LearnerWorker", "wait_for_learners", "rendezvous_address",
-           "interface_of", "read_folder", "write_folder"]
+__all__ = ["LearnerDiedError", "LearnerGroup", "LearnerWorker", "PendingUpdate", "wait_for_learners",
+           "rendezvous_address", "interface_of", "read_folder", "write_folder"]
 
 #: after one rank raised, how long to look for a rank that died (its death, not the survivor's
 #: broken collective, is the cause to report)
@@ -286,6 +286,21 @@ class LearnerWorker:
         return True
 
 
+class PendingUpdate:
+    """An update the learners are running (:meth:`LearnerGroup.start_update`)."""
+
+    def __init__(self, collect) -> None:
+        self._collect = collect
+        self._metrics: dict[str, float] | None = None
+
+    def result(self) -> dict[str, float]:
+        """The ranks' metrics, averaged (waiting for them); raises what :meth:`LearnerGroup.update` would."""
+        if self._collect is not None:
+            collect, self._collect = self._collect, None
+            self._metrics = reduce_metrics(collect())
+        return self._metrics
+
+
 class LearnerGroup:
     """The learners of a run behind one API: one in-process :class:`LearnerWorker`, or N Ray actors.
 
@@ -332,11 +347,17 @@ class LearnerGroup:
     # ------------------------------------------------------------------ calls
     def _call(self, method: str, ranks: list[int], *args) -> list:
         """``method(*args)`` on the actors of ``ranks``, bounded by ``trainer.wait_timeout_s``."""
+        return self._collect(method, ranks, self._submit(method, ranks, *args))
+
+    def _submit(self, method: str, ranks: list[int], *args) -> dict[int, Any]:
         if self.dead is not None:
             raise LearnerDiedError(f"`{method}` cannot run: learner rank {self.dead.rank} died earlier, during "
                                    f"`{self.dead.call}` ({self.dead.cause}).", rank=self.dead.rank,
                                    call=self.dead.call, cause=self.dead.cause) from None
-        refs = {r: getattr(self.actors[r], method).remote(*args) for r in ranks}
+        return {r: getattr(self.actors[r], method).remote(*args) for r in ranks}
+
+    def _collect(self, method: str, ranks: list[int], refs: dict[int, Any]) -> list:
+        """The replies of a :meth:`_submit` (the wait starts now: ``trainer.wait_timeout_s`` from here)."""
         try:
             results = wait_for_learners(refs, method, self.timeout_s)
         except LearnerDiedError as err:
@@ -358,12 +379,31 @@ class LearnerGroup:
         return self._call(method, [0], *args)[0]
 
     def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
-        if self.local is None:
-            import ray
+        """One update on ``fields`` (or what :meth:`stage` made of them); the ranks' metrics, averaged."""
+        return self.start_update(fields, group_ids).result()
 
-            fields_ref = ray.put(fields)  # one copy in the object store, shared by every rank
-            return reduce_metrics(self._all("update", fields_ref, group_ids))
-        return reduce_metrics(self._all("update", fields, group_ids))
+    def stage(self, fields: dict[str, np.ndarray]) -> Any:
+        """``fields`` put into the object store once, shared by every rank (what :meth:`update` would put),
+        so that it can be done ahead of the update; the in-process group takes them as they are."""
+        if self.local is not None:
+            return fields
+        import ray
+
+        return ray.put(fields)
+
+    def start_update(self, fields: Any, group_ids: list[str]) -> PendingUpdate:
+        """Start an update on every rank and return at once; :meth:`PendingUpdate.result` waits for it (bounded
+        by ``trainer.wait_timeout_s`` from then). The in-process group runs it here. Calls made on the group
+        before ``result()`` run after the update on each rank (an actor serves its calls in order)."""
+        if self.local is not None:
+            metrics = self.local.update(fields, group_ids)
+            return PendingUpdate(lambda: [metrics])
+        import ray
+
+        ref = fields if isinstance(fields, ray.ObjectRef) else self.stage(fields)
+        ranks = list(range(len(self.actors)))
+        refs = self._submit("update", ranks, ref, group_ids)
+        return PendingUpdate(lambda: self._collect("update", ranks, refs))
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return self._rank0("get_weights")

@@ -41,7 +41,17 @@ from omnirl_async.trainer.run_dir import config_dict
 from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
 
-__all__ = ["BaseTrainer", "StepResult"]
+__all__ = ["BaseTrainer", "PreparedUpdate", "StepResult"]
+
+
+@dataclass
+class PreparedUpdate:
+    """A sampled batch made ready for the learners (:meth:`BaseTrainer.prepare_update`)."""
+
+    batch: SampledBatch
+    fields: Any = None                                       # staged learner inputs; None for an empty batch
+    group_ids: list[str] = field(default_factory=list)
+    extra: dict[str, float] = field(default_factory=dict)    # metrics of the offline share
 
 
 @dataclass
@@ -204,10 +214,14 @@ class BaseTrainer:
         self.learners.save_lora(str(tmp / "lora"))
         save_state(self.learners.get_state(), tmp, "learner")
         save_state({"global_step": self.global_step, "version": self.version, "empty_steps": self.empty_steps,
-                    "dispatcher": self.dcall("get_state")}, tmp, "trainer")
+                    "dispatcher": self.dispatcher_state()}, tmp, "trainer")
         if self.config.buffer.snapshot_with_checkpoint:
             self.buffer.snapshot(str(tmp / "buffer"))
         return self.ckpt.commit(tmp, self.global_step)
+
+    def dispatcher_state(self) -> dict:
+        """The dispatcher's state for a checkpoint."""
+        return self.dcall("get_state")
 
     def find_checkpoint(self) -> Path | None:
         """The checkpoint to resume from: the newest one whose manifest verifies (damaged ones are named)."""
@@ -333,6 +347,8 @@ class BaseTrainer:
     def step_metrics(self, metrics: dict[str, float], batch: SampledBatch, timer: Timer,
                      run_s: float) -> dict[str, float]:
         """Every step's metrics (VeRL-Omni names), and the bookkeeping that goes with them."""
+        for phase in ("gen", "sample", "sample_ahead"):  # the same timing keys in every mode and step
+            timer.times.setdefault(phase, 0.0)
         staleness = np.asarray(batch.info.get("staleness", np.zeros(len(batch))))
         self.all_staleness.append(staleness)
         # each sample's lag, one bucket per version (`omnirl-async report` draws the run's histogram from it)
@@ -408,14 +424,28 @@ class BaseTrainer:
             return self.global_step >= self.total_steps()
         return self.run_finished()
 
-    def update_learner(self, batch) -> dict[str, float]:
-        """One learner update on ``batch`` (plus its offline share with ``buffer.offline_mix_ratio`` > 0);
-        an empty batch (all of its groups failed) is an empty step."""
+    def prepare_update(self, batch: SampledBatch, version: int) -> PreparedUpdate:
+        """What the learners train on for ``batch`` at policy ``version``: plus its offline share with
+        ``buffer.offline_mix_ratio`` > 0, staged in the object store (separate_async does this ahead)."""
         if len(batch) == 0:
+            return PreparedUpdate(batch)
+        fields, group_ids, extra = self.offline.mix(batch, version)
+        return PreparedUpdate(batch, self.learners.stage(fields), group_ids, extra)
+
+    def update_learner(self, batch) -> dict[str, float]:
+        """One learner update on ``batch`` (see :meth:`prepare_update`); an empty batch (all of its groups
+        failed) is an empty step."""
+        prepared = self.prepare_update(batch, self.version)
+        pending = self.start_update(prepared)
+        return {} if pending is None else {**pending.result(), **prepared.extra}
+
+    def start_update(self, prepared: PreparedUpdate):
+        """Start the learners on ``prepared``; a :class:`~omnirl_async.learners.learner_group.PendingUpdate`, or
+        None for an empty batch (counted as an empty step)."""
+        if prepared.fields is None:
             self.empty_steps += 1
-            return {}
-        fields, group_ids, extra = self.offline.mix(batch, self.version)
-        return {**self.learners.update(fields, group_ids), **extra}
+            return None
+        return self.learners.start_update(prepared.fields, prepared.group_ids)
 
     # ------------------------------------------------------------------ validation and dumps
     def should_validate(self, done: bool) -> bool:

@@ -60,13 +60,16 @@ from omnirl_async.config.trainer import AUTO
 from omnirl_async.learners.weight_store import WeightStore
 from omnirl_async.metrics import Timer
 from omnirl_async.trainer.auto_threshold import StepSignals, ThresholdController
-from omnirl_async.trainer.base import BaseTrainer, StepResult
+from omnirl_async.trainer.base import BaseTrainer, PreparedUpdate, StepResult
 
 __all__ = ["SeparateAsyncTrainer"]
 
 
 class SeparateAsyncTrainer(BaseTrainer):
     poll_s = 0.02
+    #: sample (and stage) the next batch while an update runs, when it is ready (:meth:`sample_ahead`)
+    sample_ahead_enabled = True
+    _ahead: PreparedUpdate | None = None
 
     def __init__(self, config, prompts, *, printer=print, worker_slowdowns: list[float] | None = None):
         import ray
@@ -223,19 +226,27 @@ class SeparateAsyncTrainer(BaseTrainer):
                         "learner waits; raise `trainer.wait_timeout_s` if generation is just slow.")
                 time.sleep(self.poll_s)
 
-    def next_batch(self, timer: Timer):
-        """The batch of the next update (possibly smaller, possibly empty), or None when the run is over."""
-        step = self.global_step
+    def next_batch(self, timer: Timer, *, ahead: bool = False):
+        """The batch of the next update (possibly smaller, possibly empty), or None when the run is over.
+
+        ``ahead``: the batch of the update after the one running now, sampled at the policy version that update
+        will train at, if it is ready now (no wait; None otherwise and at the end of the run)."""
+        step = self.global_step + int(ahead)
+        version = self.version + int(ahead and (step % self.sync_step == 0))  # the version it trains at
         if self.strategy == "wait":
             sep = self.config.trainer.v1.separate_async
-            ahead = sep.num_warmup_batches if step == 0 and sep.num_warmup_batches > 1 else 1
+            first = step == 0 and sep.num_warmup_batches > 1
             cap = rule.startup_batches(threshold=self.threshold, updates_per_version=self.sync_step)
-            target = (step + min(ahead, cap)) * self.batch_prompts
-            self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
-                             f"the prompt groups of tickets below {target}", timer)
+            target = (step + min(sep.num_warmup_batches if first else 1, cap)) * self.batch_prompts
+            if ahead:
+                if self.dcall("tickets_done") < target:
+                    return None
+            else:
+                self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
+                                 f"the prompt groups of tickets below {target}", timer)
             tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
-            with timer("sample"):
-                batch = self.buffer.sample_tickets(tickets.stop, learner_version=self.version)
+            with timer("sample_ahead" if ahead else "sample"):
+                batch = self.buffer.sample_tickets(tickets.stop, learner_version=version)
             # the run is over when no ticket of this update was ever issued; an update whose tickets were issued
             # but all failed is an empty step (as in sync), so that the end of the run is still saved
             if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= tickets.start:
@@ -244,19 +255,46 @@ class SeparateAsyncTrainer(BaseTrainer):
             want = self.batch_prompts * self.n
             sep = self.config.trainer.v1.separate_async
             first = want * max(1, sep.num_warmup_batches) if step == 0 else want  # warm-up: queue more first
-            self._wait_until(lambda: self.buffer.num_ready_samples(self.version) >= first or self.prompts_finished(),
-                             f"{first} fresh samples (lag <= {self.threshold}) in the buffer", timer)
-            ready = self.buffer.num_ready_samples(self.version)
+            if ahead:
+                if self.buffer.num_ready_samples(version) < want:
+                    return None
+            else:
+                self._wait_until(
+                    lambda: self.buffer.num_ready_samples(version) >= first or self.prompts_finished(),
+                    f"{first} fresh samples (lag <= {self.threshold}) in the buffer", timer)
+            ready = self.buffer.num_ready_samples(version)
             if ready == 0:
                 return None  # prompts finished and nothing fresh left
-            with timer("sample"):
-                batch = self.buffer.sample(min(want, ready), learner_version=self.version,
+            with timer("sample_ahead" if ahead else "sample"):
+                batch = self.buffer.sample(min(want, ready), learner_version=version,
                                            timeout=self.wait_timeout_s, source="online")
         self.consumed_groups.update(m.tags.group_uid for m in batch.metas)
         # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
-        self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, self.version)
+        self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, version)
                                 for m in batch.metas)
         return batch
+
+    def sample_ahead(self, timer: Timer) -> PreparedUpdate | None:
+        """While an update runs: the next update's batch, staged for the learners, when it is ready now.
+
+        Takes sampling and the copy into the object store off the learner's critical path. Not past
+        ``trainer.total_training_steps``; a checkpoint taken while such a batch is held lists its tickets
+        (:meth:`dispatcher_state`), so a resumed run generates those groups again."""
+        cap = self.config.trainer.total_training_steps
+        if not self.sample_ahead_enabled or (cap and self.global_step + 1 >= int(cap)):
+            return None
+        batch = self.next_batch(timer, ahead=True)
+        if batch is None:
+            return None
+        step = self.global_step + 1
+        with timer("sample_ahead"):
+            return self.prepare_update(batch, self.version + int(step % self.sync_step == 0))
+
+    def dispatcher_state(self) -> dict:
+        state = super().dispatcher_state()
+        if self._ahead is not None:
+            state["held"] = sorted({int(m.tags.ticket) for m in self._ahead.batch.metas})
+        return state
 
     def trained_below(self) -> int:
         """Every ticket below this one has had its update (``wait``)."""
@@ -264,7 +302,7 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def run_finished(self) -> bool:
         """Every admitted group has been trained (or failed) and no prompt is left."""
-        if not self.prompts_finished():
+        if self._ahead is not None or not self.prompts_finished():
             return False
         if self.strategy == "wait":
             return self.dcall("tickets_issued") <= self.trained_below()
@@ -315,19 +353,27 @@ class SeparateAsyncTrainer(BaseTrainer):
             self._start_worker(i)
 
     def training_step(self, timer: Timer) -> StepResult | None:
-        """Wait for this update's batch (what the rollout loops made meanwhile), requeue refills, train."""
-        batch = self.next_batch(timer)
-        if batch is None:
-            return None
+        """Wait for this update's batch (what the rollout loops made meanwhile; or the one sampled ahead during
+        the last update), requeue refills, train; while the update runs, sample the next batch if it is ready."""
+        prepared, self._ahead = self._ahead, None
+        if prepared is None:
+            batch = self.next_batch(timer)
+            if batch is None:
+                return None
+            with timer("sample"):
+                prepared = self.prepare_update(batch, self.version)
         self.requeue_refills()
         compat = self.config.trainer.v1.separate_async.sync_compatible
         if compat:
             self.dcall("pause", True)
         with timer("update_actor"):
-            metrics = self.update_learner(batch)
+            pending = self.start_update(prepared)
+            if pending is not None:
+                self._ahead = self.sample_ahead(timer)
+            metrics = {} if pending is None else {**pending.result(), **prepared.extra}
         if compat:
             self.dcall("pause", False)
-        return StepResult(batch=batch, metrics=metrics)
+        return StepResult(batch=prepared.batch, metrics=metrics)
 
     def after_update(self) -> None:
         if self.strategy == "wait":

@@ -120,6 +120,28 @@ def test_completed_untrained_groups_are_leased_again_when_their_samples_are_not_
     assert redo.tickets_done() == 6 and redo.exhausted()
 
 
+def test_groups_the_trainer_held_at_a_checkpoint_are_leased_again_even_with_the_buffer_restored():
+    """separate_async samples the next batch while an update runs: a checkpoint taken then lists those tickets
+    as ``held`` (no snapshot has them), and only they are generated again."""
+    d = PromptDispatcher([f"p{i}" for i in range(6)], n=2, shuffle=False, total_epochs=1, batch_groups=2)
+    leases = d.lease(6, global_step=None)
+    d.complete([x.lease_id for x in leases])
+    d.mark_trained([0, 1])  # tickets 2, 3 sampled ahead (held by the trainer), 4, 5 still in the buffer
+    state = {**d.get_state(), "held": [2, 3]}
+
+    resumed = PromptDispatcher([f"p{i}" for i in range(6)], n=2, shuffle=False, total_epochs=1, batch_groups=2)
+    assert resumed.set_state(state, samples_restored=True) == 2
+    assert resumed.tickets_done() == 2 and resumed.num_untrained() == 2  # 4 and 5: in the restored snapshot
+    again = resumed.lease(6, global_step=None)
+    assert [(x.prompt, x.ticket, x.group_uid) for x in again] == [(x.prompt, x.ticket, x.group_uid)
+                                                                  for x in leases[2:4]]
+    resumed.complete([x.lease_id for x in again])
+    assert resumed.tickets_done() == 6 and resumed.exhausted()
+    # without the snapshot every untrained group comes back, held or not
+    redo = PromptDispatcher([f"p{i}" for i in range(6)], n=2, shuffle=False, total_epochs=1, batch_groups=2)
+    assert redo.set_state(state, samples_restored=False) == 4
+
+
 def test_settle_below_forgets_failed_and_trained_tickets():
     d = PromptDispatcher([f"p{i}" for i in range(4)], n=1, shuffle=False, total_epochs=1, batch_groups=2)
     d.complete([x.lease_id for x in d.lease(4, global_step=None)])

@@ -52,6 +52,35 @@ def test_two_gloo_learners_match_one(ray_cluster, small_overrides, batch):
     assert results[2][1]["actor/num_updates"] == results[1][1]["actor/num_updates"] == 2.0
 
 
+def test_an_update_started_on_staged_fields_equals_a_blocking_one(ray_cluster, small_overrides, batch):
+    """separate_async stages the next batch ahead and starts the update without waiting; a call made before
+    ``result()`` runs after the update (the actor serves calls in order)."""
+    fields, gids = batch
+    cfg = load_config(small_overrides)
+    got = {}
+    for how in ("blocking", "started"):
+        group = LearnerGroup(cfg, use_ray=True, num_threads=1)
+        try:
+            if how == "blocking":
+                metrics = group.update(fields, gids)
+                weights = group.get_weights()
+            else:
+                pending = group.start_update(group.stage(fields), gids)
+                weights = group.get_weights()
+                metrics = pending.result()
+                assert pending.result() is metrics  # answered once, kept
+            got[how] = (weights, metrics)
+        finally:
+            group.stop()
+    (w_block, m_block), (w_start, m_start) = got["blocking"], got["started"]
+    assert any(np.abs(v).max() > 0 for k, v in w_start.items() if "lora_B" in k)  # the update is in the weights
+    for k in w_block:
+        np.testing.assert_allclose(w_start[k], w_block[k], rtol=0, atol=1e-6, err_msg=k)
+    assert set(m_start) == set(m_block)
+    same = sorted(k for k in m_block if "timing" not in k)  # everything but how long it took
+    np.testing.assert_allclose([m_start[k] for k in same], [m_block[k] for k in same], rtol=1e-5, atol=1e-7)
+
+
 def test_bypass_equals_decoupled_when_lag_is_zero(small_overrides, batch):
     fields, gids = batch
     weights = {}

@@ -244,6 +244,44 @@ def test_resume_without_a_buffer_snapshot_generates_the_untrained_groups_again(r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+def test_a_checkpoint_taken_while_the_next_batch_is_held_resumes_with_every_prompt_once(ray_cluster,
+                                                                                        small_overrides, tmp_path,
+                                                                                        mode):
+    """separate_async samples the next batch while an update runs (here certain at step 2: a warm-up of three
+    batches under threshold 2); the checkpoint taken then lists the held tickets, and the resumed run generates
+    those groups again, so across both runs every prompt is trained exactly once."""
+    from omnirl_async.trainer.checkpoint import load_state
+
+    common = ["trainer.save_freq=2", "actor_rollout_ref.rollout.num_workers=2"]
+    if mode == "separate_async":  # sync queues nothing ahead (and refuses a warm-up or a larger threshold)
+        common += ["trainer.v1.sampler.max_off_policy_threshold=2", "trainer.v1.separate_async.num_warmup_batches=3"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    summary_a = TaskRunner(_cfg(small_overrides, a, mode, PROMPTS[:8], *common, "trainer.total_training_steps=3"),
+                           printer=lambda *x: None).run()
+    assert summary_a["global_step"] == 3
+    held = load_state(a / "ckpt" / "global_step_2", "trainer")["dispatcher"].get("held", [])
+    assert held == ([4, 5] if mode == "separate_async" else [])  # the tickets of the third batch
+    shutil.copytree(a / "ckpt" / "global_step_2", b / "ckpt" / "global_step_2")
+    printed: list[str] = []
+    summary_b = TaskRunner(_cfg(small_overrides, b, mode, PROMPTS[:8], *common, "trainer.resume_mode=auto"),
+                           printer=printed.append).run()
+    assert summary_b["global_step"] == 4
+    if held:
+        assert any("2 admitted groups not yet trained are generated again" in line for line in printed), printed
+    steps_a, _ = read_trained_log(a / "ckpt")
+    steps_b, _ = read_trained_log(b / "ckpt")
+    assert sorted(steps_b) == [3, 4]
+    trained = Counter(g[1] for step, rec in steps_a.items() if step <= 2 for g in rec["groups"])
+    trained.update(g[1] for rec in steps_b.values() for g in rec["groups"])
+    assert trained == Counter(PROMPTS[:8])
+    # the held batch is what the uninterrupted run trained at step 3
+    assert {g[1] for g in steps_b[3]["groups"]} == {g[1] for g in steps_a[3]["groups"]}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 def test_validation_scores_the_learner_version_also_right_after_a_resume(ray_cluster, small_overrides, tmp_path,
                                                                         mode):
     """val/score of the restored weights (val_before_train after resume) == val/score at that step in the run."""
