@@ -24,14 +24,24 @@ def per_prompt_strict(res) -> tuple[list[str], np.ndarray]:
     return list(order), np.array([np.mean(v) for v in order.values()])
 
 
-def overall_accuracy(prompts: list[str], acc: np.ndarray) -> float:
-    """GenEval's overall figure: the mean over prompt categories of the mean accuracy in each."""
+def _strata(prompts: list[str]) -> dict[str, list[int]]:
+    """Prompt indices by GenEval category (prompts outside the shapes grammar form one group, ``other``)."""
     from omnirl_async.data.prompts import prompt_category
 
-    cats: dict[str, list[float]] = {}
-    for p, a in zip(prompts, acc):
-        cats.setdefault(prompt_category(p), []).append(float(a))
-    return float(np.mean([np.mean(v) for v in cats.values()]))
+    cats: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        try:
+            cat = prompt_category(p)
+        except ValueError:
+            cat = "other"
+        cats.setdefault(cat, []).append(i)
+    return cats
+
+
+def overall_accuracy(prompts: list[str], acc: np.ndarray) -> float:
+    """GenEval's overall figure: the mean over prompt categories of the mean accuracy in each."""
+    acc = np.asarray(acc, dtype=np.float64)
+    return float(np.mean([acc[idx].mean() for idx in _strata(prompts).values()]))
 
 
 def bootstrap_gain(prompts: list[str], before: np.ndarray, after: np.ndarray, *, n: int = 2000,
@@ -44,15 +54,11 @@ def bootstrap_gain(prompts: list[str], before: np.ndarray, after: np.ndarray, *,
     across categories would let a draw hold 3 or 14 of the 8 ``single`` prompts, or none, and widen the
     interval with variation the held-out set does not have.
     """
-    from omnirl_async.data.prompts import prompt_category
-
     if len(prompts) != len(before) or len(before) != len(after):
         raise ValueError(f"paired bootstrap needs one before and one after value per prompt: {len(prompts)} "
                          f"prompts, {len(before)} before, {len(after)} after")
     diff = 100.0 * (np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64))
-    cats: dict[str, list[int]] = {}
-    for i, p in enumerate(prompts):
-        cats.setdefault(prompt_category(p), []).append(i)
+    cats = _strata(prompts)
     rng = np.random.default_rng(seed)
     gain = float(np.mean([diff[idx].mean() for idx in cats.values()]))
     draws = np.zeros(n)

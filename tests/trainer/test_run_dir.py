@@ -161,3 +161,23 @@ def test_eval_run_without_a_saved_config_says_what_to_do(tmp_path, capsys):
     (tmp_path / RESOLVED_CONFIG).write_text("trainer: {}\n")
     assert cli.main(["eval", "--run", str(tmp_path), "--config-dir", str(tmp_path)]) == 2
     assert "drop `--config-dir`" in capsys.readouterr().err
+
+
+def test_eval_compare_base_prints_the_gain_with_its_interval(tmp_path, small_overrides, capsys):
+    run = _train_a_checkpoint(tmp_path, small_overrides)
+    assert cli.main(["eval", "--run", str(run), "--threads", "1", "--compare-base", "data.val_max_samples=6"]) == 0
+    out = capsys.readouterr().out
+    metrics = json.loads((run / "eval" / "global_step_5" / "metrics.json").read_text())
+    assert metrics["gain/overall_points"] == pytest.approx(100 * (metrics["val/overall"] - metrics["base/overall"]))
+    assert metrics["gain/ci_low"] <= metrics["gain/overall_points"] <= metrics["gain/ci_high"]
+    assert "held-out strict accuracy, overall (6 prompts x 1 images, seed 0): base" in out
+    assert f"gain {metrics['gain/overall_points']:+.1f} points (95 % CI" in out
+
+
+def test_eval_compare_base_needs_a_lora_and_a_strict_reward(tmp_path, small_overrides, capsys):
+    assert cli.main(["eval", "--compare-base", *small_overrides]) == 2
+    assert "give `--lora` or `--run`" in capsys.readouterr().err
+    run = _train_a_checkpoint(tmp_path, small_overrides)
+    assert cli.main(["eval", "--run", str(run), "--threads", "1", "--compare-base",
+                     "reward.reward_fn_name=brightness"]) == 2
+    assert "gives no strict field" in capsys.readouterr().err
