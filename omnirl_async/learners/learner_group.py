@@ -289,9 +289,19 @@ class LearnerWorker:
 class PendingUpdate:
     """An update the learners are running (:meth:`LearnerGroup.start_update`)."""
 
-    def __init__(self, collect) -> None:
+    def __init__(self, collect, refs: list | None = None) -> None:
         self._collect = collect
+        self._refs = refs or []  # the ranks' replies (none: it ran in this process)
         self._metrics: dict[str, float] | None = None
+
+    def wait(self, timeout_s: float) -> bool:
+        """Whether every rank has answered, waiting up to ``timeout_s`` for it (errors come with :meth:`result`)."""
+        if self._collect is None or not self._refs:
+            return True
+        import ray
+
+        _, pending = ray.wait(self._refs, num_returns=len(self._refs), timeout=timeout_s)
+        return not pending
 
     def result(self) -> dict[str, float]:
         """The ranks' metrics, averaged (waiting for them); raises what :meth:`LearnerGroup.update` would."""
@@ -403,7 +413,7 @@ class LearnerGroup:
         ref = fields if isinstance(fields, ray.ObjectRef) else self.stage(fields)
         ranks = list(range(len(self.actors)))
         refs = self._submit("update", ranks, ref, group_ids)
-        return PendingUpdate(lambda: self._collect("update", ranks, refs))
+        return PendingUpdate(lambda: self._collect("update", ranks, refs), list(refs.values()))
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return self._rank0("get_weights")

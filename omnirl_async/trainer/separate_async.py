@@ -274,8 +274,9 @@ class SeparateAsyncTrainer(BaseTrainer):
                                 for m in batch.metas)
         return batch
 
-    def sample_ahead(self, timer: Timer) -> PreparedUpdate | None:
-        """While an update runs: the next update's batch, staged for the learners, when it is ready now.
+    def sample_ahead(self, timer: Timer, pending) -> PreparedUpdate | None:
+        """While ``pending`` (an update) runs: the next update's batch, staged for the learners, as soon as it is
+        ready; None if the update ends first (the next step then waits for it as usual).
 
         Takes sampling and the copy into the object store off the learner's critical path. Not past
         ``trainer.total_training_steps``; a checkpoint taken while such a batch is held lists its tickets
@@ -283,9 +284,9 @@ class SeparateAsyncTrainer(BaseTrainer):
         cap = self.config.trainer.total_training_steps
         if not self.sample_ahead_enabled or (cap and self.global_step + 1 >= int(cap)):
             return None
-        batch = self.next_batch(timer, ahead=True)
-        if batch is None:
-            return None
+        while (batch := self.next_batch(timer, ahead=True)) is None:
+            if pending.wait(self.poll_s):
+                return None
         step = self.global_step + 1
         with timer("sample_ahead"):
             return self.prepare_update(batch, self.version + int(step % self.sync_step == 0))
@@ -369,7 +370,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         with timer("update_actor"):
             pending = self.start_update(prepared)
             if pending is not None:
-                self._ahead = self.sample_ahead(timer)
+                self._ahead = self.sample_ahead(timer, pending)
             metrics = {} if pending is None else {**pending.result(), **prepared.extra}
         if compat:
             self.dcall("pause", False)
