@@ -36,12 +36,12 @@ class Recording(SeparateAsyncTrainer):
 
     group_bytes: list[int]
 
-    def update_learner(self, batch):
+    def prepare_update(self, batch, version):
         if len(batch):
             groups = len({m.tags.group_uid for m in batch.metas})
             self.group_bytes = getattr(self, "group_bytes", []) + [
                 sum(v.nbytes for v in batch.fields.values()) // groups]
-        return super().update_learner(batch)
+        return super().prepare_update(batch, version)
 
 
 def _node_of(actor) -> str:

@@ -268,10 +268,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             with timer("sample_ahead" if ahead else "sample"):
                 batch = self.buffer.sample(min(want, ready), learner_version=version,
                                            timeout=self.wait_timeout_s, source="online")
-        self.consumed_groups.update(m.tags.group_uid for m in batch.metas)
-        # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
-        self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, version)
-                                for m in batch.metas)
+        self.consumed_groups.update(m.tags.group_uid for m in batch.metas)  # out of the buffer
         return batch
 
     def sample_ahead(self, timer: Timer, pending) -> PreparedUpdate | None:
@@ -363,6 +360,9 @@ class SeparateAsyncTrainer(BaseTrainer):
                 return None
             with timer("sample"):
                 prepared = self.prepare_update(batch, self.version)
+        # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
+        self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, self.version)
+                                for m in prepared.batch.metas)
         self.requeue_refills()
         compat = self.config.trainer.v1.separate_async.sync_compatible
         if compat:

@@ -69,8 +69,8 @@ def test_every_prompt_is_trained_once_when_a_worker_is_killed(ray_cluster, small
     class KillOnce(SeparateAsyncTrainer):
         killed = False
 
-        def next_batch(self, timer):
-            batch = super().next_batch(timer)
+        def next_batch(self, timer, **kwargs):
+            batch = super().next_batch(timer, **kwargs)
             if self.global_step == 1 and not self.killed:
                 ray.kill(self.workers[0], no_restart=True)
                 self.killed = True

@@ -204,10 +204,10 @@ def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_c
     base = SyncTrainer if mode == "sync" else SeparateAsyncTrainer
 
     class KillLearner(base):
-        def update_learner(self, batch):
+        def start_update(self, prepared):
             if self.global_step == 2:
                 ray.kill(self.learners.actors[0], no_restart=True)
-            return super().update_learner(batch)
+            return super().start_update(prepared)
 
     cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], "trainer.save_freq=2")
     trainer = KillLearner(cfg, PROMPTS[:8], printer=lambda *a: None)
