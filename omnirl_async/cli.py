@@ -139,7 +139,7 @@ def cmd_eval(args) -> int:
                      title=f"{who}  strict={res.metrics.get('val/strict', float('nan')):.3f}"
                            + (f"  overall={res.metrics['val/overall']:.3f}" if "val/overall" in res.metrics else ""))
     metrics = dict(res.metrics)
-    if args.compare_base and not any(k.endswith("strict") for k in res.extra):
+    if args.compare_base and strict_key is None:
         print(f"omnirl-async: `--compare-base` compares strict accuracy, and the reward "
               f"`{cfg.reward.reward_fn_name}` gives no strict field (fields: {sorted(res.extra)}); use a "
               "GenEval-style reward such as tiny_geneval", file=sys.stderr)

@@ -26,15 +26,11 @@ def per_prompt_strict(res) -> tuple[list[str], np.ndarray]:
 
 def _strata(prompts: list[str]) -> dict[str, list[int]]:
     """Prompt indices by GenEval category (prompts outside the shapes grammar form one group, ``other``)."""
-    from omnirl_async.data.prompts import prompt_category
+    from omnirl_async.models.evaluate import _category
 
     cats: dict[str, list[int]] = {}
     for i, p in enumerate(prompts):
-        try:
-            cat = prompt_category(p)
-        except ValueError:
-            cat = "other"
-        cats.setdefault(cat, []).append(i)
+        cats.setdefault(_category(p) or "other", []).append(i)
     return cats
 
 
@@ -60,7 +56,7 @@ def bootstrap_gain(prompts: list[str], before: np.ndarray, after: np.ndarray, *,
     diff = 100.0 * (np.asarray(after, dtype=np.float64) - np.asarray(before, dtype=np.float64))
     cats = _strata(prompts)
     rng = np.random.default_rng(seed)
-    gain = float(np.mean([diff[idx].mean() for idx in cats.values()]))
+    gain = overall_accuracy(prompts, diff)
     draws = np.zeros(n)
     for idx in cats.values():
         members = diff[np.asarray(idx)]

@@ -232,7 +232,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         ``ahead``: the batch of the update after the one running now, sampled at the policy version that update
         will train at, if it is ready now (no wait; None otherwise and at the end of the run)."""
         step = self.global_step + int(ahead)
-        version = self.version + int(ahead and (step % self.sync_step == 0))  # the version it trains at
+        version = self.version_at(step)
         if self.strategy == "wait":
             sep = self.config.trainer.v1.separate_async
             first = step == 0 and sep.num_warmup_batches > 1
@@ -284,9 +284,12 @@ class SeparateAsyncTrainer(BaseTrainer):
         while (batch := self.next_batch(timer, ahead=True)) is None:
             if pending.wait(self.poll_s):
                 return None
-        step = self.global_step + 1
         with timer("sample_ahead"):
-            return self.prepare_update(batch, self.version + int(step % self.sync_step == 0))
+            return self.prepare_update(batch, self.version_at(self.global_step + 1))
+
+    def version_at(self, step: int) -> int:
+        """The policy version update ``step`` trains at (this one, or the next: publication follows its update)."""
+        return self.version + int(step > self.global_step and step % self.sync_step == 0)
 
     def dispatcher_state(self) -> dict:
         state = super().dispatcher_state()
