@@ -28,7 +28,7 @@ import numpy as np
 
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource
 
-__all__ = ["ReplayBuffer", "SampledBatch", "SampleRequest", "assemble_fields"]
+__all__ = ["ReplayBuffer", "SampledBatch", "SampleRequest", "assemble_fields", "concat_batches"]
 
 
 @dataclass
@@ -268,3 +268,29 @@ def assemble_fields(parts: Sequence[tuple[dict[str, np.ndarray], Sequence[int]]]
 
 def _contiguous(rows: Sequence[int]) -> bool:
     return all(rows[i + 1] == rows[i] + 1 for i in range(len(rows) - 1))
+
+
+def concat_batches(batches: Sequence[SampledBatch], order: Callable[[SampleMeta], Any] | None = None) -> SampledBatch:
+    """One batch of the groups of ``batches`` (each group stays whole and in ``sample_index`` order), one copy per
+    field; ``order(meta of a group's first row)`` sorts the groups (stable) - e.g. by admission ticket, so that
+    groups taken in several calls as they landed come out as one call would have returned them."""
+    batches = [b for b in batches if len(b)]
+    if len(batches) == 1 and order is None:
+        return batches[0]
+    if not batches:
+        return SampledBatch(metas=[], fields={})
+    spans = [(bi, sl) for bi, b in enumerate(batches) for _, sl in b.group_slices()]
+    if order is not None:
+        spans.sort(key=lambda s: order(batches[s[0]].metas[s[1].start]))
+    names = list(batches[0].fields)
+    for bi, b in enumerate(batches[1:], 1):
+        if set(b.fields) != set(names) or set(b.info) != set(batches[0].info):
+            raise ValueError(f"concat_batches: batch {bi} has fields {sorted(b.fields)} and info "
+                             f"{sorted(b.info)}, batch 0 has {sorted(names)} and {sorted(batches[0].info)}")
+
+    def join(get: Callable[[SampledBatch], dict[str, np.ndarray]], name: str) -> np.ndarray:
+        return np.concatenate([get(batches[bi])[name][sl] for bi, sl in spans], axis=0)
+
+    return SampledBatch(metas=[m for bi, sl in spans for m in batches[bi].metas[sl]],
+                        fields={n: join(lambda b: b.fields, n) for n in names},
+                        info={n: join(lambda b: b.info, n) for n in batches[0].info})

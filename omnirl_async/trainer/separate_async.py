@@ -55,7 +55,8 @@ import numpy as np
 from omnirl_async import staleness as rule
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.staleness import AdmissionController
-from omnirl_async.buffer import make_replay_buffer
+from omnirl_async.buffer import SampledBatch, make_replay_buffer
+from omnirl_async.buffer.base import concat_batches
 from omnirl_async.config.trainer import AUTO
 from omnirl_async.learners.weight_store import WeightStore
 from omnirl_async.metrics import Timer
@@ -70,6 +71,9 @@ class SeparateAsyncTrainer(BaseTrainer):
     #: sample (and stage) the next batch while an update runs, when it is ready (:meth:`sample_ahead`)
     sample_ahead_enabled = True
     _ahead: PreparedUpdate | None = None
+    #: ``wait``: while the next update's groups are still landing, take those done at most this often (seconds), so
+    #: that fetching their payloads overlaps the running update (or the wait) instead of following the last group
+    land_every_s = 0.1
 
     def __init__(self, config, prompts, *, printer=print, worker_slowdowns: list[float] | None = None):
         import ray
@@ -89,6 +93,8 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.run_refs: dict[int, object] = {}
         self.worker_ids: dict[int, str] = {}
         self.consumed_groups: set[str] = set()
+        self._landed: list[SampledBatch] = []  # groups of the next update already taken (``wait``; :meth:`take_landed`)
+        self.landed_groups = 0  # how many groups were taken that way, over the run
         self.trained_log: list[tuple[str, str, int, int, int]] = []
         self.replaced_workers = 0
         self.final_worker_stats: list = []
@@ -207,16 +213,20 @@ class SeparateAsyncTrainer(BaseTrainer):
                 f"{int(buf.get('buffer/dropped_stale', 0))} dropped stale, failed samples by kind {failed or 'none'}; "
                 f"rollout workers replaced so far: {self.replaced_workers}; learner version {self.version}")
 
-    def _wait_until(self, ready, what: str, timer: Timer) -> None:
-        """Poll ``ready()`` (checking workers and reward failures) until true, or explain the timeout."""
+    def _wait_until(self, ready, what: str, timer: Timer, on_poll=None) -> None:
+        """Poll ``ready()`` (checking workers and reward failures, calling ``on_poll()`` every ``land_every_s``)
+        until true, or explain the timeout."""
         deadline = time.monotonic() + self.wait_timeout_s
-        last_check = 0.0
+        last_check = last_poll = 0.0
         with timer("gen"):  # timing_s/gen: what this step waited for its samples to be generated
             while not ready():
                 self.check_workers()
                 if time.monotonic() - last_check > 1.0:
                     self.monitor.observe(self.buffer.metrics())  # a reward that always fails stops here
                     last_check = time.monotonic()
+                if on_poll is not None and time.monotonic() - last_poll >= self.land_every_s:
+                    on_poll()
+                    last_poll = time.monotonic()
                 if time.monotonic() > deadline:
                     raise TimeoutError(
                         f"step {self.global_step + 1}: waited `trainer.wait_timeout_s` = {self.wait_timeout_s:g} s "
@@ -243,10 +253,14 @@ class SeparateAsyncTrainer(BaseTrainer):
                     return None
             else:
                 self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
-                                 f"the prompt groups of tickets below {target}", timer)
+                                 f"the prompt groups of tickets below {target}", timer,
+                                 on_poll=lambda: self.take_landed(step))
             tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
             with timer("sample_ahead" if ahead else "sample"):
                 batch = self.buffer.sample_tickets(tickets.stop, learner_version=version)
+                if self._landed:  # with the groups taken as they landed, in ticket order as one call gives them
+                    batch = concat_batches([*self._landed, batch], order=lambda m: (m.tags.ticket, m.tags.group_uid))
+                    self._landed = []
             # the run is over when no ticket of this update was ever issued; an update whose tickets were issued
             # but all failed is an empty step (as in sync), so that the end of the run is still saved
             if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= tickets.start:
@@ -281,11 +295,28 @@ class SeparateAsyncTrainer(BaseTrainer):
         cap = self.config.trainer.total_training_steps
         if not self.sample_ahead_enabled or (cap and self.global_step + 1 >= int(cap)):
             return None
+        last_take = 0.0
         while (batch := self.next_batch(timer, ahead=True)) is None:
+            if self.strategy == "wait" and time.monotonic() - last_take >= self.land_every_s:
+                with timer("sample_ahead"):
+                    self.take_landed(self.global_step + 1)
+                last_take = time.monotonic()
             if pending.wait(self.poll_s):
                 return None
         with timer("sample_ahead"):
             return self.prepare_update(batch, self.version_at(self.global_step + 1))
+
+    def take_landed(self, step: int) -> None:
+        """``wait``: take the groups of update ``step`` that are done already (never blocks); :meth:`next_batch`
+        adds them to the rest. Their payloads are fetched now, while the update before runs or the last groups are
+        still being generated, rather than all at once after the last group lands (a long-tailed reward makes the
+        last group late). A checkpoint taken meanwhile lists their tickets as held (:meth:`dispatcher_state`)."""
+        tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
+        part = self.buffer.sample_tickets(tickets.stop, learner_version=self.version_at(step))
+        if len(part):
+            self._landed.append(part)
+            self.landed_groups += len(part.group_slices())
+            self.consumed_groups.update(m.tags.group_uid for m in part.metas)
 
     def version_at(self, step: int) -> int:
         """The policy version update ``step`` trains at (this one, or the next: publication follows its update)."""
@@ -293,8 +324,11 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def dispatcher_state(self) -> dict:
         state = super().dispatcher_state()
+        held = [m for b in self._landed for m in b.metas]
         if self._ahead is not None:
-            state["held"] = sorted({int(m.tags.ticket) for m in self._ahead.batch.metas})
+            held += self._ahead.batch.metas
+        if held:
+            state["held"] = sorted({int(m.tags.ticket) for m in held})
         return state
 
     def trained_below(self) -> int:
@@ -464,7 +498,8 @@ class SeparateAsyncTrainer(BaseTrainer):
                     "dropped_samples": float(buf.get("buffer/dropped_stale", 0.0)),
                     "regenerated_groups": int(buf.get("buffer/regenerated_groups", 0)),
                     "learner_idle_frac": float(self.last_metrics.get("perf/learner_idle_frac", 1.0)),
-                    "replaced_workers": self.replaced_workers, "threshold": self.threshold})
+                    "replaced_workers": self.replaced_workers, "threshold": self.threshold,
+                    "landed_groups": self.landed_groups})
         if self.auto is not None:
             out["auto_threshold"] = self.auto.summary()
             self.printer(self.auto.summary_text())

@@ -314,3 +314,41 @@ def test_sample_async_draws_at_result_with_the_version_it_was_asked_at():
     batch = req.result()
     assert batch.keys == [f"v3/{i}" for i in range(4)]  # judged at version 3: v0, 3 behind, is stale
     assert req.result() is batch  # drawn once
+
+
+def _batch_of(*groups):
+    """A SampledBatch holding ``groups`` (as ``make_group`` returns them) in order, with per-row info."""
+    from omnirl_async.buffer.base import SampledBatch
+
+    metas = [m for ms, _ in groups for m in ms]
+    fields = {k: np.concatenate([f[k] for _, f in groups]) for k in groups[0][1]}
+    return SampledBatch(metas=metas, fields=fields,
+                        info={"staleness": np.asarray([m.tags.sample_index for m in metas], dtype=np.int64)})
+
+
+def test_concat_batches_keeps_groups_whole_and_sorts_them_by_the_given_key():
+    """Groups taken in several calls (as they landed) come out as one batch, each group whole, in key order."""
+    from omnirl_async.buffer.base import SampledBatch, concat_batches
+
+    g = {name: make_group(name, n) for name, n in [("g0", 2), ("g1", 3), ("g2", 2), ("g3", 3)]}
+    a, b = _batch_of(g["g3"], g["g1"]), _batch_of(g["g0"], g["g2"])
+    out = concat_batches([a, b], order=lambda m: m.tags.group_uid)
+    assert [u for u, _ in out.group_slices()] == ["g0", "g1", "g2", "g3"]
+    assert out.keys == [f"{name}/{i}" for name, n in [("g0", 2), ("g1", 3), ("g2", 2), ("g3", 3)] for i in range(n)]
+    check_rows(out)
+    assert out.info["staleness"].tolist() == [0, 1, 0, 1, 2, 0, 1, 0, 1, 2]
+    # without an order: the batches' groups one after the other; empty batches are skipped; one batch is itself
+    empty = SampledBatch(metas=[], fields={}, info={})
+    kept = concat_batches([a, empty, b])
+    assert [u for u, _ in kept.group_slices()] == ["g3", "g1", "g0", "g2"]
+    check_rows(kept)
+    assert concat_batches([a]) is a and len(concat_batches([])) == 0
+
+
+def test_concat_batches_refuses_batches_with_different_fields():
+    from omnirl_async.buffer.base import SampledBatch, concat_batches
+
+    a = _batch_of(make_group("g0", 2))
+    b = SampledBatch(metas=a.metas, fields={"x": a.fields["x"]}, info=a.info)
+    with pytest.raises(ValueError, match=r"batch 1 has fields \['x'\]"):
+        concat_batches([a, b])

@@ -58,6 +58,13 @@ def raises_on_a_red_triangle(images, prompts, **kwargs):
     return _brightness(images)
 
 
+def slow_on_triangles(images, prompts, sleep_s: float = 4.0, **kwargs):
+    """Scores every group; those of prompts with a triangle come sleep_s late (a long-tailed remote reward)."""
+    if any("triangle" in p for p in prompts):
+        time.sleep(sleep_s)
+    return _brightness(images)
+
+
 def always_fails(images, prompts, **kwargs):
     raise RuntimeError("the judge model is not loaded")
 

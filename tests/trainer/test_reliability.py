@@ -282,6 +282,65 @@ def test_a_checkpoint_taken_while_the_next_batch_is_held_resumes_with_every_prom
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+def test_with_a_long_tailed_reward_each_update_trains_exactly_its_tickets_in_order(ray_cluster, small_overrides,
+                                                                                   tmp_path, mode):
+    """Groups of triangle prompts are scored 4 s late. separate_async takes the next update's other groups as they
+    land (their payloads are fetched while it waits for the late one) and still trains exactly the tickets of each
+    update, in ticket order - the same batches as sync."""
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=slow_on_triangles", "trainer.wait_timeout_s=60")
+    summary = TaskRunner(cfg, printer=lambda *a: None).run()
+    steps, _ = read_trained_log(tmp_path / "ckpt")
+    assert {s: [g[1] for g in rec["groups"]] for s, rec in steps.items()} == {
+        u + 1: PROMPTS[2 * u:2 * u + 2] for u in range(4)}
+    if mode == "separate_async":  # at least one of "three yellow circles", "a white square" landed before its triangle
+        assert summary["landed_groups"] >= 1
+
+
+@pytest.mark.slow  # sync holds no groups between updates: nothing of the kind to checkpoint there
+def test_a_checkpoint_taken_while_landed_groups_of_the_next_update_are_held_resumes_with_every_prompt_once(
+        ray_cluster, small_overrides, tmp_path, monkeypatch):
+    """The checkpoint after update 1 waits until update 2's fast group (ticket 3) has landed and been taken while
+    its triangle (ticket 2) is still being scored: the checkpoint lists ticket 3 as held, and the resumed run
+    generates it again, so across both runs every prompt is trained exactly once and update 2 is the same."""
+    from omnirl_async.trainer.checkpoint import load_state
+    from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
+
+    save = SeparateAsyncTrainer.save_checkpoint
+
+    def save_once_landed(self):
+        deadline = time.monotonic() + 30
+        while self.global_step == 1 and not self._landed and time.monotonic() < deadline:
+            self.take_landed(self.global_step)  # the next update's groups that are done
+            time.sleep(0.05)
+        return save(self)
+
+    monkeypatch.setattr(SeparateAsyncTrainer, "save_checkpoint", save_once_landed)
+    common = [f"reward.custom_reward_function.path={FLAKY}", "reward.custom_reward_function.name=slow_on_triangles",
+              "trainer.wait_timeout_s=60", "trainer.save_freq=1"]
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    summary_a = TaskRunner(_cfg(small_overrides, a, "separate_async", PROMPTS[:6], *common,
+                                "trainer.total_training_steps=3"), printer=lambda *x: None).run()
+    assert summary_a["global_step"] == 3 and summary_a["landed_groups"] >= 1
+    assert load_state(a / "ckpt" / "global_step_1", "trainer")["dispatcher"].get("held") == [3]
+    monkeypatch.undo()
+    shutil.copytree(a / "ckpt" / "global_step_1", b / "ckpt" / "global_step_1")
+    summary_b = TaskRunner(_cfg(small_overrides, b, "separate_async", PROMPTS[:6], *common,
+                                "trainer.resume_mode=auto"), printer=lambda *x: None).run()
+    assert summary_b["global_step"] == 3
+    steps_a, _ = read_trained_log(a / "ckpt")
+    steps_b, _ = read_trained_log(b / "ckpt")
+    assert sorted(steps_b) == [2, 3]
+    trained = Counter(g[1] for g in steps_a[1]["groups"])
+    trained.update(g[1] for rec in steps_b.values() for g in rec["groups"])
+    assert trained == Counter(PROMPTS[:6])
+    assert [g[1] for g in steps_b[2]["groups"]] == [g[1] for g in steps_a[2]["groups"]] == PROMPTS[2:4]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 def test_validation_scores_the_learner_version_also_right_after_a_resume(ray_cluster, small_overrides, tmp_path,
                                                                         mode):
     """val/score of the restored weights (val_before_train after resume) == val/score at that step in the run."""
