@@ -348,9 +348,9 @@ class SeparateAsyncTrainer(BaseTrainer):
 
         self.check_workers()
         stats = []
-        for w in self.workers:
+        for ref in [w.stats.remote() for w in self.workers]:  # asked of all at once, collected in turn
             try:
-                stats.append(ray.get(w.stats.remote(), timeout=60))
+                stats.append(ray.get(ref, timeout=60))
             except ray.exceptions.RayActorError:
                 continue  # died since check_workers(); replaced on the next check
         if not stats:
