@@ -193,7 +193,7 @@ class SimSpec:
     poll_s: float = 0.02  # RolloutWorker.run_loop's default: sleep after a lease that admission refused
     lease_wait_s: float = 2.0  # RolloutWorker.run_loop's default: a refused lease waits this long in the dispatcher
     sample_ahead: bool = True  # SeparateAsyncTrainer's default: sample the next batch while an update runs
-    land: bool = True  # its default too: take the next batch's groups as they land (False: fetch it whole at the end)
+    land: bool = False  # take the next batch's groups as they land (SeparateAsyncTrainer.land_every_s; off by default)
     seed: int = 0
 
     def real(self, model_s: float) -> float:
@@ -497,8 +497,8 @@ class SimTrainer(SeparateAsyncTrainer):
         self.records: list[StepRecord] = []
         self.on_step = on_step
         self.sample_ahead_enabled = spec.sample_ahead
-        if not spec.land:
-            self.land_every_s = float("inf")
+        if spec.land:
+            self.land_every_s = 0.1
         super().__init__(config, prompts, printer=printer)
 
     def make_buffer(self):
@@ -844,13 +844,13 @@ def waits_text(r: dict[str, Any]) -> str:
 
 def name(r: dict[str, Any]) -> str:
     """A setting's label: workers, how they wait after a refused lease (``128@wait``, ``128@20ms``) and
-    ``:serial`` when the learner does not sample ahead, ``:whole`` when it fetches the next batch whole once its last
-    group has landed."""
+    ``:serial`` when the learner does not sample ahead, ``:land`` when it takes the next batch's groups as they
+    land."""
     how = waits_text(r)
     label = f"{r['workers']}@{how}" if how else str(r["workers"])
     if not r.get("sample_ahead", True):
         return label + ":serial"
-    return label + ("" if r.get("land", True) else ":whole")
+    return label + (":land" if r.get("land", False) else "")
 
 
 def goals(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
@@ -919,8 +919,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", default="8,32,128",
                    help="comma list of simulated rollout worker counts; N@S polls every S real seconds after a "
                         "refused lease instead of --poll-s (e.g. 128@0.25); N:serial runs the learner loop without "
-                        "sampling the next batch during the update (e.g. 128:serial), N:whole samples it ahead but "
-                        "fetches it whole once its last group has landed")
+                        "sampling the next batch during the update (e.g. 128:serial), N:land takes the next batch's groups as "
+                        "they land")
     p.add_argument("--time-scale", type=float, default=20.0, help="divide every modelled time by this")
     p.add_argument("--payload-scale", type=float, default=None,
                    help="fraction of the modelled payload and weight bytes actually sent (default 1/time-scale)")
@@ -956,13 +956,13 @@ def build_spec(args) -> SimSpec:
                    lease_wait_s=args.lease_wait_s, seed=args.seed)
 
 
-LOOPS = ("serial", "whole")  # the learner loops before sampling ahead, and before taking groups as they land
+LOOPS = ("serial", "land")  # the learner loop before sampling ahead; sampling ahead with groups taken as they land
 
 
 def parse_settings(text: str) -> list[tuple[int, float | None, str]]:
     """``--workers``: ``8,32,128``, with a poll interval per setting, ``128@0.25``, and/or ``:serial`` (the learner
-    loop without sampling ahead) or ``:whole`` (sampling ahead, but the next batch fetched whole once its last
-    group landed) -> [(workers, poll_s, loop)], loop "" for today's loop; poll_s None: the setting uses
+    loop without sampling ahead) or ``:land`` (sampling ahead, the next batch's groups taken as they land)
+    -> [(workers, poll_s, loop)], loop "" for today's loop; poll_s None: the setting uses
     ``--lease-wait-s`` / ``--poll-s``."""
     out = []
     for item in (w.strip() for w in str(text).split(",")):
@@ -970,14 +970,14 @@ def parse_settings(text: str) -> list[tuple[int, float | None, str]]:
             continue
         item, colon, mode = item.partition(":")
         if colon and mode not in LOOPS:
-            raise SystemExit(f"--workers {text!r}: the suffixes are ':serial' and ':whole' "
+            raise SystemExit(f"--workers {text!r}: the suffixes are ':serial' and ':land' "
                              f"(got {item + colon + mode!r})")
         count, _, poll = item.partition("@")
         try:
             n, p = int(count), float(poll) if poll else None
         except ValueError:
             raise SystemExit(f"--workers {text!r}: give a comma list of counts, each optionally with @<poll "
-                             "seconds> and/or :serial or :whole, e.g. 8,32,128,128@0.25,128:serial") from None
+                             "seconds> and/or :serial or :land, e.g. 8,32,128,128@0.25,128:serial") from None
         if n < 1 or (p is not None and p <= 0):
             raise SystemExit(f"--workers {text!r}: counts must be >= 1 and poll intervals > 0 ({item!r})")
         out.append((n, p, mode))
@@ -1008,10 +1008,10 @@ def main(argv=None) -> int:
     results = []
     for n, poll_s, loop in settings:
         # N@S: poll every S seconds after a refused lease (no wait in the dispatcher), the loop before long-polls;
-        # N:serial: the learner loop before it sampled the next batch during the update; N:whole: sampling ahead,
-        # but before it took the next batch's groups as they landed
+        # N:serial: the learner loop before it sampled the next batch during the update; N:land: sampling ahead,
+        # with the next batch's groups taken as they land
         setting = spec if poll_s is None else replace(spec, poll_s=poll_s, lease_wait_s=0.0)
-        setting = replace(setting, sample_ahead=loop != "serial", land=loop == "")
+        setting = replace(setting, sample_ahead=loop != "serial", land=loop == "land")
         r = run_setting(n, args, setting, printer=lambda *a: None)
         print_setting(r, setting)
         results.append(r)

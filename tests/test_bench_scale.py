@@ -88,17 +88,17 @@ def test_host_layout_and_arguments(bench):
     assert bench.host_layout(3, 8) == [1, 1, 1]
     args = bench.parse_args(["--quick"])
     assert bench.check_args(args) == [(6, None, "")]
-    assert bench.parse_settings("8, 128@0.25, 32:serial, 32@0.5:serial, 128:whole") == [
-        (8, None, ""), (128, 0.25, ""), (32, None, "serial"), (32, 0.5, "serial"), (128, None, "whole")]
+    assert bench.parse_settings("8, 128@0.25, 32:serial, 32@0.5:serial, 128:land") == [
+        (8, None, ""), (128, 0.25, ""), (32, None, "serial"), (32, 0.5, "serial"), (128, None, "land")]
     assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": False}) == "32@wait:serial"
-    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": False}) == "32@wait:whole"
-    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": True}) == "32@wait"
+    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": True}) == "32@wait:land"
+    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": False}) == "32@wait"
     assert bench.build_spec(args).payload_scale == pytest.approx(1 / args.time_scale)
     with pytest.raises(SystemExit):
         bench.check_args(bench.parse_args(["--workers", "8,x"]))
     with pytest.raises(SystemExit):
         bench.parse_settings("8@0")
-    with pytest.raises(SystemExit, match="':serial' and ':whole'"):
+    with pytest.raises(SystemExit, match="':serial' and ':land'"):
         bench.parse_settings("8:fast")
 
 

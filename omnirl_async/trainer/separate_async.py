@@ -72,8 +72,10 @@ class SeparateAsyncTrainer(BaseTrainer):
     sample_ahead_enabled = True
     _ahead: PreparedUpdate | None = None
     #: ``wait``: while the next update's groups are still landing, take those done at most this often (seconds), so
-    #: that fetching their payloads overlaps the running update (or the wait) instead of following the last group
-    land_every_s = 0.1
+    #: that fetching their payloads overlaps the running update (or the wait) instead of following the last group.
+    #: None (the default): off - measured slower in benchmarks/bench_scale.py (``N:land`` vs ``N``, README), because
+    #: joining the parts copies the whole batch once more after the last group lands
+    land_every_s: float | None = None
 
     def __init__(self, config, prompts, *, printer=print, worker_slowdowns: list[float] | None = None):
         import ray
@@ -254,7 +256,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             else:
                 self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
                                  f"the prompt groups of tickets below {target}", timer,
-                                 on_poll=lambda: self.take_landed(step))
+                                 on_poll=None if self.land_every_s is None else lambda: self.take_landed(step))
             tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
             with timer("sample_ahead" if ahead else "sample"):
                 batch = self.buffer.sample_tickets(tickets.stop, learner_version=version)
@@ -297,7 +299,8 @@ class SeparateAsyncTrainer(BaseTrainer):
             return None
         last_take = 0.0
         while (batch := self.next_batch(timer, ahead=True)) is None:
-            if self.strategy == "wait" and time.monotonic() - last_take >= self.land_every_s:
+            if (self.strategy == "wait" and self.land_every_s is not None
+                    and time.monotonic() - last_take >= self.land_every_s):
                 with timer("sample_ahead"):
                     self.take_landed(self.global_step + 1)
                 last_take = time.monotonic()

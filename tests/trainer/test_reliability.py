@@ -283,10 +283,13 @@ def test_a_checkpoint_taken_while_the_next_batch_is_held_resumes_with_every_prom
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_with_a_long_tailed_reward_each_update_trains_exactly_its_tickets_in_order(ray_cluster, small_overrides,
-                                                                                   tmp_path, mode):
+                                                                                   tmp_path, mode, monkeypatch):
     """Groups of triangle prompts are scored 4 s late. separate_async takes the next update's other groups as they
     land (their payloads are fetched while it waits for the late one) and still trains exactly the tickets of each
     update, in ticket order - the same batches as sync."""
+    from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
+
+    monkeypatch.setattr(SeparateAsyncTrainer, "land_every_s", 0.1)  # off by default (README, bench_scale N:land)
     cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], f"reward.custom_reward_function.path={FLAKY}",
                "reward.custom_reward_function.name=slow_on_triangles", "trainer.wait_timeout_s=60")
     summary = TaskRunner(cfg, printer=lambda *a: None).run()
@@ -316,6 +319,7 @@ def test_a_checkpoint_taken_while_landed_groups_of_the_next_update_are_held_resu
         return save(self)
 
     monkeypatch.setattr(SeparateAsyncTrainer, "save_checkpoint", save_once_landed)
+    monkeypatch.setattr(SeparateAsyncTrainer, "land_every_s", 0.1)  # off by default (README, bench_scale N:land)
     common = [f"reward.custom_reward_function.path={FLAKY}", "reward.custom_reward_function.name=slow_on_triangles",
               "trainer.wait_timeout_s=60", "trainer.save_freq=1"]
     a, b = tmp_path / "a", tmp_path / "b"
