@@ -1,7 +1,8 @@
 """Every algorithm on the embedded world, same wall-clock, same seeds: held-out strict accuracy side by side.
 
     python benchmarks/bench_algorithms.py [--minutes 20] [--eval-every 60] [--algos flow_grpo,diffusion_nft,...]
-                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/algorithms]
+                                          [--num-prompts 256] [--images-per-prompt 4] [--final-images-per-prompt 64]
+                                          [--out bench_out/algorithms]
 
 For each algorithm (FlowGRPO, GRPO-Guard, Flow-DPPO, DanceGRPO, DiffusionNFT,
 Diffusion-DPO, AWM) trains sync on the embedded shapes model with the
@@ -13,7 +14,11 @@ held-out prompts (GenEval protocol: ODE sampling, fixed seeds, strict = all
 clauses met; ``overall`` = mean over the four prompt categories) and prints,
 per algorithm: overall strict accuracy before and after, the gain with a 95 %
 bootstrap confidence interval over prompts (paired: the same prompts and seeds
-before and after), and the wall-clock minutes to +10 points.
+before and after; stratified by prompt category), and the wall-clock minutes to
++10 points. The curve uses ``--images-per-prompt``; with
+``--final-images-per-prompt N`` the base model and the last checkpoint are
+scored again with N images per prompt (same seeds) for before, after and the
+gain's interval (64 images bring the interval under +-3 points).
 Writes ``<out>/curves.png`` (held-out overall accuracy vs minutes, one line per
 algorithm) and ``<out>/results.json``.
 """
@@ -83,7 +88,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     step_minute = {s: (w - t_first) / 60 for w, s, _ in rewards}
     names, before = per_prompt_strict(base)
     curve, to_target = [(0.0, overall(names, before))], None
-    last = before
+    last, last_path = before, None
     for step, path in sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "ckpt").glob("global_step_*")):
         res = evaluate(cfg, path / "lora", prompts, args.seed)
         p2, acc = per_prompt_strict(res)
@@ -92,10 +97,22 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
         curve.append((minute, overall(names, acc)))
         if to_target is None and 100 * (curve[-1][1] - curve[0][1]) >= 10:
             to_target = minute
-        last = acc
+        last, last_path = acc, path
         print(f"  {label:<14} step {step:>5} {minute:5.1f} min  overall {curve[-1][1]:.3f}", flush=True)
+    final_n = getattr(args, "final_images_per_prompt", None)
+    images = args.images_per_prompt
+    if final_n and final_n != images and last_path is not None:  # the end point again, with more images
+        images = final_n
+        before = per_prompt_strict(base_at(final_n, prompts, args.seed))[1]
+        cfg_n = load_config(overrides + [f"actor_rollout_ref.rollout.val_kwargs.n={final_n}", f"data.seed={args.seed}",
+                                         *args.overrides])
+        p2, last = per_prompt_strict(evaluate(cfg_n, last_path / "lora", prompts, args.seed))
+        assert p2 == names
+        print(f"  {label:<14} step {summary['global_step']:>5} rescored with {final_n} images per prompt: overall "
+              f"{overall(names, before):.3f} -> {overall(names, last):.3f}", flush=True)
     gain, lo, hi = bootstrap_gain(names, before, last, seed=args.seed)
-    return {"steps": summary["global_step"], "minutes": minutes, "before": curve[0][1], "after": curve[-1][1],
+    return {"steps": summary["global_step"], "minutes": minutes, "before": overall(names, before),
+            "after": overall(names, last), "images_per_prompt": images,
             "gain": gain, "ci": [lo, hi], "minutes_to_plus10": to_target, "curve": curve, "run_dir": str(run),
             "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
 
@@ -134,7 +151,10 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
 def add_heldout_args(ap, out_default: str) -> None:
     """The held-out scoring and output options every time-to-accuracy benchmark shares."""
     ap.add_argument("--num-prompts", type=int, default=256)
-    ap.add_argument("--images-per-prompt", type=int, default=4)
+    ap.add_argument("--images-per-prompt", type=int, default=4, help="images per held-out prompt on the curve")
+    ap.add_argument("--final-images-per-prompt", type=int, default=None, metavar="N",
+                    help="score the base model and each run's last checkpoint again with N images per prompt for "
+                         "before / after / gain (64: an interval under +-3 points)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=out_default)
     ap.add_argument("overrides", nargs="*", help="overrides for every run")
@@ -152,7 +172,21 @@ def heldout_setup(args):
     torch.set_num_threads(2)
     prompts = heldout_prompts()[: args.num_prompts]
     cfg0 = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"])
-    return out, prompts, evaluate(cfg0, None, prompts, args.seed)
+    return out, prompts, base_at(args.images_per_prompt, prompts, args.seed)
+
+
+_BASE: dict[tuple, object] = {}
+
+
+def base_at(images_per_prompt: int, prompts, seed: int):
+    """The base model's held-out scores with ``images_per_prompt`` images per prompt (scored once per process)."""
+    from omnirl_async.config import load_config
+
+    key = (images_per_prompt, tuple(prompts), seed)
+    if key not in _BASE:
+        cfg = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={images_per_prompt}"])
+        _BASE[key] = evaluate(cfg, None, prompts, seed)
+    return _BASE[key]
 
 
 def main(argv=None) -> int:
@@ -172,7 +206,8 @@ def main(argv=None) -> int:
         results[algo] = run_one(algo, args, out, prompts, base)
         (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "curves.png")
-    print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {args.images_per_prompt} images, "
+    shown = args.final_images_per_prompt or args.images_per_prompt
+    print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {shown} images, "
           f"seed {args.seed}), {args.minutes:g} min of sync training each:")
     print(f"| algorithm | steps | before | after | gain (95 % CI) | min to +10 |\n|---|---|---|---|---|---|")
     for algo, r in results.items():

@@ -194,6 +194,7 @@ class SimSpec:
     lease_wait_s: float = 2.0  # RolloutWorker.run_loop's default: a refused lease waits this long in the dispatcher
     sample_ahead: bool = True  # SeparateAsyncTrainer's default: sample the next batch while an update runs
     land: bool = False  # take the next batch's groups as they land (SeparateAsyncTrainer.land_every_s; off by default)
+    back_to_back: bool = True  # SeparateAsyncTrainer's default: start the next update as soon as one ends (staged)
     seed: int = 0
 
     def real(self, model_s: float) -> float:
@@ -497,6 +498,7 @@ class SimTrainer(SeparateAsyncTrainer):
         self.records: list[StepRecord] = []
         self.on_step = on_step
         self.sample_ahead_enabled = spec.sample_ahead
+        self.back_to_back_enabled = spec.sample_ahead and spec.back_to_back
         if spec.land:
             self.land_every_s = 0.1
         super().__init__(config, prompts, printer=printer)
@@ -531,7 +533,7 @@ class SimTrainer(SeparateAsyncTrainer):
         for j in range(self.layout[host]):
             super()._recover_leases(f"{worker_id}.s{j}")
 
-    def should_save(self, done: bool) -> bool:
+    def should_save(self, done: bool, step: int | None = None) -> bool:
         return False
 
     def step_metrics(self, metrics, batch, timer, run_s):
@@ -703,7 +705,8 @@ def analyse(trainer: SimTrainer, hosts: list[dict], spec: SimSpec, *, workers: i
     ideal = t.ideal(workers)
     compute = sum(r.compute_s for r in body)
     wait_s = sum(r.times.get("gen", 0.0) for r in body)
-    split = {"update (modelled)": compute, "waiting for samples": wait_s,
+    ahead = sum(r.times.get("update_ahead", 0.0) for r in body)  # update time that ran beside the step before
+    split = {"update (modelled), inside the step": compute - ahead, "waiting for samples": wait_s,
              "sample + payload fetch": sum(r.times.get("sample", 0.0) for r in body),
              "update call overhead": sum(r.times.get("update_actor", 0.0) - r.compute_s for r in body),
              "publish weights": sum(r.times.get("update_weights", 0.0) for r in body),
@@ -723,7 +726,7 @@ def analyse(trainer: SimTrainer, hosts: list[dict], spec: SimSpec, *, workers: i
     window_calls = calls_in_window(trainer.clock.snapshot(), marks.get("calls0", {}))
     return {
         "workers": workers, "poll_s": spec.poll_s, "lease_wait_s": spec.lease_wait_s,
-        "sample_ahead": spec.sample_ahead, "land": spec.land, "layout": layout, "threshold": args.threshold, "time_scale": S,
+        "sample_ahead": spec.sample_ahead, "land": spec.land, "back_to_back": spec.back_to_back, "layout": layout, "threshold": args.threshold, "time_scale": S,
         "payload_scale": spec.payload_scale, "wall_s": wall, "build_s": build_s,
         "steps": len(trainer.records), "window_steps": len(body), "window_s": span, "samples": samples,
         "throughput": thr_model, "ideal": ideal, "ratio": thr_model / ideal, "capacity": t.capacity(workers),
@@ -845,11 +848,13 @@ def waits_text(r: dict[str, Any]) -> str:
 def name(r: dict[str, Any]) -> str:
     """A setting's label: workers, how they wait after a refused lease (``128@wait``, ``128@20ms``) and
     ``:serial`` when the learner does not sample ahead, ``:land`` when it takes the next batch's groups as they
-    land."""
+    land, ``:gap`` when the next update waits for the loop's publish and bookkeeping (not back to back)."""
     how = waits_text(r)
     label = f"{r['workers']}@{how}" if how else str(r["workers"])
     if not r.get("sample_ahead", True):
         return label + ":serial"
+    if not r.get("back_to_back", True):
+        return label + ":gap"
     return label + (":land" if r.get("land", False) else "")
 
 
@@ -920,7 +925,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="comma list of simulated rollout worker counts; N@S polls every S real seconds after a "
                         "refused lease instead of --poll-s (e.g. 128@0.25); N:serial runs the learner loop without "
                         "sampling the next batch during the update (e.g. 128:serial), N:land takes the next batch's groups as "
-                        "they land")
+                        "they land, N:gap starts each update after the loop's publish and bookkeeping (not back to "
+                        "back)")
     p.add_argument("--time-scale", type=float, default=20.0, help="divide every modelled time by this")
     p.add_argument("--payload-scale", type=float, default=None,
                    help="fraction of the modelled payload and weight bytes actually sent (default 1/time-scale)")
@@ -956,12 +962,15 @@ def build_spec(args) -> SimSpec:
                    lease_wait_s=args.lease_wait_s, seed=args.seed)
 
 
-LOOPS = ("serial", "land")  # the learner loop before sampling ahead; sampling ahead with groups taken as they land
+#: the learner loop before sampling ahead; sampling ahead with groups taken as they land; sampling ahead with each
+#: update started after the loop's publish and bookkeeping of the one before
+LOOPS = ("serial", "land", "gap")
 
 
 def parse_settings(text: str) -> list[tuple[int, float | None, str]]:
     """``--workers``: ``8,32,128``, with a poll interval per setting, ``128@0.25``, and/or ``:serial`` (the learner
-    loop without sampling ahead) or ``:land`` (sampling ahead, the next batch's groups taken as they land)
+    loop without sampling ahead), ``:land`` (sampling ahead, the next batch's groups taken as they land) or ``:gap``
+    (sampling ahead, updates not back to back)
     -> [(workers, poll_s, loop)], loop "" for today's loop; poll_s None: the setting uses
     ``--lease-wait-s`` / ``--poll-s``."""
     out = []
@@ -970,14 +979,14 @@ def parse_settings(text: str) -> list[tuple[int, float | None, str]]:
             continue
         item, colon, mode = item.partition(":")
         if colon and mode not in LOOPS:
-            raise SystemExit(f"--workers {text!r}: the suffixes are ':serial' and ':land' "
+            raise SystemExit(f"--workers {text!r}: the suffixes are ':serial', ':land' and ':gap' "
                              f"(got {item + colon + mode!r})")
         count, _, poll = item.partition("@")
         try:
             n, p = int(count), float(poll) if poll else None
         except ValueError:
             raise SystemExit(f"--workers {text!r}: give a comma list of counts, each optionally with @<poll "
-                             "seconds> and/or :serial or :land, e.g. 8,32,128,128@0.25,128:serial") from None
+                             "seconds> and/or :serial, :land or :gap, e.g. 8,32,128,128@0.25,128:serial") from None
         if n < 1 or (p is not None and p <= 0):
             raise SystemExit(f"--workers {text!r}: counts must be >= 1 and poll intervals > 0 ({item!r})")
         out.append((n, p, mode))
@@ -1008,10 +1017,11 @@ def main(argv=None) -> int:
     results = []
     for n, poll_s, loop in settings:
         # N@S: poll every S seconds after a refused lease (no wait in the dispatcher), the loop before long-polls;
-        # N:serial: the learner loop before it sampled the next batch during the update; N:land: sampling ahead,
+        # N:serial: the learner loop before it sampled the next batch during the update; N:gap: sampling ahead, each
+        # update started after the loop's publish and bookkeeping of the one before; N:land: sampling ahead,
         # with the next batch's groups taken as they land
         setting = spec if poll_s is None else replace(spec, poll_s=poll_s, lease_wait_s=0.0)
-        setting = replace(setting, sample_ahead=loop != "serial", land=loop == "land")
+        setting = replace(setting, sample_ahead=loop != "serial", land=loop == "land", back_to_back=loop != "gap")
         r = run_setting(n, args, setting, printer=lambda *a: None)
         print_setting(r, setting)
         results.append(r)

@@ -93,12 +93,14 @@ def test_host_layout_and_arguments(bench):
     assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": False}) == "32@wait:serial"
     assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": True}) == "32@wait:land"
     assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": False}) == "32@wait"
+    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "back_to_back": False}) == "32@wait:gap"
+    assert bench.parse_settings("32:gap") == [(32, None, "gap")]
     assert bench.build_spec(args).payload_scale == pytest.approx(1 / args.time_scale)
     with pytest.raises(SystemExit):
         bench.check_args(bench.parse_args(["--workers", "8,x"]))
     with pytest.raises(SystemExit):
         bench.parse_settings("8@0")
-    with pytest.raises(SystemExit, match="':serial' and ':land'"):
+    with pytest.raises(SystemExit, match="':serial', ':land' and ':gap'"):
         bench.parse_settings("8:fast")
 
 

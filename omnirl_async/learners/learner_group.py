@@ -287,12 +287,14 @@ class LearnerWorker:
 
 
 class PendingUpdate:
-    """An update the learners are running (:meth:`LearnerGroup.start_update`)."""
+    """An update the learners are running (:meth:`LearnerGroup.start_update`); with ``combine``, any other call
+    started on them (:meth:`LearnerGroup.start_publish`)."""
 
-    def __init__(self, collect, refs: list | None = None) -> None:
+    def __init__(self, collect, refs: list | None = None, combine=reduce_metrics) -> None:
         self._collect = collect
         self._refs = refs or []  # the ranks' replies (none: it ran in this process)
-        self._metrics: dict[str, float] | None = None
+        self._combine = combine
+        self._metrics: Any = None
 
     def wait(self, timeout_s: float) -> bool:
         """Whether every rank has answered, waiting up to ``timeout_s`` for it (errors come with :meth:`result`)."""
@@ -303,11 +305,11 @@ class PendingUpdate:
         _, pending = ray.wait(self._refs, num_returns=len(self._refs), timeout=timeout_s)
         return not pending
 
-    def result(self) -> dict[str, float]:
+    def result(self) -> Any:
         """The ranks' metrics, averaged (waiting for them); raises what :meth:`LearnerGroup.update` would."""
         if self._collect is not None:
             collect, self._collect = self._collect, None
-            self._metrics = reduce_metrics(collect())
+            self._metrics = self._combine(collect())
         return self._metrics
 
 
@@ -437,7 +439,18 @@ class LearnerGroup:
 
     def publish(self, store, version: int):
         """Rank 0 publishes weights ``version`` through the weight store; returns its WeightsInfo."""
-        return self._rank0("publish", store, version)
+        return self.start_publish(store, version).result()
+
+    def start_publish(self, store, version: int) -> PendingUpdate:
+        """Start :meth:`publish` and return at once (``result()`` is its WeightsInfo): rank 0 publishes the
+        weights it holds once the calls made before this one are done, and before any call made after it, so an
+        update started next trains on after publishing (an actor serves its calls in order)."""
+        if self.local is not None:
+            info = self.local.publish(store, version)
+            return PendingUpdate(lambda: [info], combine=lambda infos: infos[0])
+        refs = self._submit("publish", [0], store, version)
+        return PendingUpdate(lambda: self._collect("publish", [0], refs), list(refs.values()),
+                             combine=lambda infos: infos[0])
 
     def assert_healthy(self) -> list[dict]:
         return self._all("assert_healthy")

@@ -24,6 +24,7 @@ class Timer:
 
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
+        self.started = time.perf_counter()  # when the step began
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:

@@ -124,6 +124,7 @@ class BaseTrainer:
         self.sync_step = self.updates_per_version()
         self.all_staleness: list[np.ndarray] = []
         self.learner_busy_s = 0.0
+        self.deadline: float | None = None  # monotonic end of `trainer.total_time_minutes`, set by run_loop
 
     def _await_workers_started(self, timeout_s: float) -> None:
         import ray
@@ -292,6 +293,7 @@ class BaseTrainer:
         bar = tqdm(total=None if tcfg.total_time_minutes else self.total_steps(), initial=self.global_step,
                    desc=self.progress_label(), unit="step", disable=not tcfg.progress_bar, dynamic_ncols=True)
         deadline = time.monotonic() + 60.0 * tcfg.total_time_minutes if tcfg.total_time_minutes else None
+        self.deadline = deadline
         cap = int(tcfg.total_training_steps) if tcfg.total_training_steps else None
         t_run = time.perf_counter()
         try:
@@ -313,9 +315,9 @@ class BaseTrainer:
                 else:
                     self.dcall("on_update", self.global_step)
                 self.after_update()
-                # ---- 3. save, validate, dump
+                # ---- 3. save, validate, dump (an update started already is trained first: see update_in_flight)
                 done = ((cap is not None and self.global_step >= cap) or self.finished()
-                        or (deadline is not None and time.monotonic() > deadline))
+                        or (self.past_deadline() and not self.update_in_flight()))
                 if self.should_save(done):
                     with timer("save_checkpoint"):
                         self.save_checkpoint()
@@ -347,7 +349,7 @@ class BaseTrainer:
     def step_metrics(self, metrics: dict[str, float], batch: SampledBatch, timer: Timer,
                      run_s: float) -> dict[str, float]:
         """Every step's metrics (VeRL-Omni names), and the bookkeeping that goes with them."""
-        for phase in ("gen", "sample", "sample_ahead"):  # the same timing keys in every mode and step
+        for phase in ("gen", "sample", "sample_ahead", "update_ahead"):  # the same timing keys in every mode and step
             timer.times.setdefault(phase, 0.0)
         staleness = np.asarray(batch.info.get("staleness", np.zeros(len(batch))))
         self.all_staleness.append(staleness)
@@ -418,6 +420,20 @@ class BaseTrainer:
         metrics["training/offline_samples"] = float(len(offline))
         return StepResult(batch=SampledBatch(metas=[], fields={}), metrics=metrics)
 
+    def past_deadline(self) -> bool:
+        """``trainer.total_time_minutes`` is up (never without it)."""
+        return self.deadline is not None and time.monotonic() > self.deadline
+
+    def update_in_flight(self) -> bool:
+        """An update started ahead of its step (separate_async starts one as soon as the last one ends) is still
+        to be trained and counted, so the run cannot end before it."""
+        return False
+
+    def learner_read_after(self, step: int) -> bool:
+        """Whether the loop reads the learners' state once update ``step`` is done, before the next update may
+        start: a checkpoint or validation is due at ``step`` (the run's end is not known in advance)."""
+        return self.should_save(False, step) or self.should_validate(False, step)
+
     def finished(self) -> bool:
         """The mode's :meth:`run_finished`; an offline-only run ends after its passes over the offline table."""
         if self.offline.only:
@@ -448,9 +464,11 @@ class BaseTrainer:
         return self.learners.start_update(prepared.fields, prepared.group_ids)
 
     # ------------------------------------------------------------------ validation and dumps
-    def should_validate(self, done: bool) -> bool:
+    def should_validate(self, done: bool, step: int | None = None) -> bool:
+        """Validate after update ``step`` (default: the one just done)?"""
         freq = self.config.trainer.test_freq
-        return freq > 0 and (done or self.global_step % freq == 0)
+        step = self.global_step if step is None else step
+        return freq > 0 and (done or step % freq == 0)
 
     def validate(self) -> dict[str, float]:
         """Score the validation prompts on rollout worker 0 (it holds the newest weights)."""
@@ -526,9 +544,11 @@ class BaseTrainer:
             return int(tcfg.total_training_steps)
         return int(np.ceil(len(self.prompts) * tcfg.total_epochs / self.batch_prompts))
 
-    def should_save(self, done: bool) -> bool:
+    def should_save(self, done: bool, step: int | None = None) -> bool:
+        """Checkpoint after update ``step`` (default: the one just done)?"""
         freq = self.config.trainer.save_freq
-        return done or (freq > 0 and self.global_step % freq == 0)
+        step = self.global_step if step is None else step
+        return done or (freq > 0 and step % freq == 0)
 
     def stop(self) -> None:
         import ray

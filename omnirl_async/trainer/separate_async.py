@@ -49,6 +49,7 @@ import contextlib
 import dataclasses
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -71,6 +72,13 @@ class SeparateAsyncTrainer(BaseTrainer):
     #: sample (and stage) the next batch while an update runs, when it is ready (:meth:`sample_ahead`)
     sample_ahead_enabled = True
     _ahead: PreparedUpdate | None = None
+    #: start the next update as soon as this one ends when its batch is staged already (:meth:`start_next_early`),
+    #: so that publishing, metrics and the audit trail of this step run while the learners train the next one
+    back_to_back_enabled = True
+    #: (the batch, the update running on it, when it was started), started by :meth:`start_next_early`
+    _started: tuple[PreparedUpdate, Any, float] | None = None
+    #: rank 0 publishing the weights of the update just done, started ahead of the next update
+    _publishing: tuple[int, Any] | None = None
     #: ``wait``: while the next update's groups are still landing, take those done at most this often (seconds), so
     #: that fetching their payloads overlaps the running update (or the wait) instead of following the last group.
     #: None (the default): off - measured slower in benchmarks/bench_scale.py (``N:land`` vs ``N``, README), because
@@ -97,6 +105,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.consumed_groups: set[str] = set()
         self._landed: list[SampledBatch] = []  # groups of the next update already taken (``wait``; :meth:`take_landed`)
         self.landed_groups = 0  # how many groups were taken that way, over the run
+        self.back_to_back_updates = 0  # updates started by start_next_early, over the run
         self.trained_log: list[tuple[str, str, int, int, int]] = []
         self.replaced_workers = 0
         self.final_worker_stats: list = []
@@ -138,7 +147,14 @@ class SeparateAsyncTrainer(BaseTrainer):
     # ------------------------------------------------------------------ weights
     def publish_weights(self) -> dict[str, float]:
         t0 = time.perf_counter()
-        info = self.learners.publish(self.store, self.version)
+        if self._publishing is not None:  # started before the next update (start_next_early): its reply
+            (version, pending), self._publishing = self._publishing, None
+            if version != self.version:
+                raise RuntimeError(f"weights version {version} was published ahead, but the loop publishes "
+                                   f"{self.version} now")
+            info = pending.result()
+        else:
+            info = self.learners.publish(self.store, self.version)
         self.dcall("on_update", self.global_step)
         return {"timing_s/update_weights": time.perf_counter() - t0,
                 "perf/weight_sync_bytes": float(info.num_bytes)}
@@ -328,8 +344,9 @@ class SeparateAsyncTrainer(BaseTrainer):
     def dispatcher_state(self) -> dict:
         state = super().dispatcher_state()
         held = [m for b in self._landed for m in b.metas]
-        if self._ahead is not None:
-            held += self._ahead.batch.metas
+        for prepared in (self._ahead, self._started and self._started[0]):
+            if prepared is not None:
+                held += prepared.batch.metas
         if held:
             state["held"] = sorted({int(m.tags.ticket) for m in held})
         return state
@@ -340,7 +357,7 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def run_finished(self) -> bool:
         """Every admitted group has been trained (or failed) and no prompt is left."""
-        if self._ahead is not None or not self.prompts_finished():
+        if self._ahead is not None or self._started is not None or not self.prompts_finished():
             return False
         if self.strategy == "wait":
             return self.dcall("tickets_issued") <= self.trained_below()
@@ -392,14 +409,20 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def training_step(self, timer: Timer) -> StepResult | None:
         """Wait for this update's batch (what the rollout loops made meanwhile; or the one sampled ahead during
-        the last update), requeue refills, train; while the update runs, sample the next batch if it is ready."""
-        prepared, self._ahead = self._ahead, None
-        if prepared is None:
-            batch = self.next_batch(timer)
-            if batch is None:
-                return None
-            with timer("sample"):
-                prepared = self.prepare_update(batch, self.version)
+        the last update), requeue refills, train; while the update runs, sample the next batch if it is ready.
+        An update started at the end of the last step (:meth:`start_next_early`) is this step's."""
+        started, self._started = self._started, None
+        if started is not None:
+            prepared, pending, t_start = started
+        else:
+            pending, t_start = None, None
+            prepared, self._ahead = self._ahead, None
+            if prepared is None:
+                batch = self.next_batch(timer)
+                if batch is None:
+                    return None
+                with timer("sample"):
+                    prepared = self.prepare_update(batch, self.version)
         # audit trail: (group, prompt, epoch, behaviour version, learner version) of every trained sample
         self.trained_log.extend((m.tags.group_uid, m.tags.prompt, m.tags.epoch, m.tags.policy_version, self.version)
                                 for m in prepared.batch.metas)
@@ -408,13 +431,45 @@ class SeparateAsyncTrainer(BaseTrainer):
         if compat:
             self.dcall("pause", True)
         with timer("update_actor"):
-            pending = self.start_update(prepared)
+            if started is None:
+                t_start = time.perf_counter()
+                pending = self.start_update(prepared)
             if pending is not None:
                 self._ahead = self.sample_ahead(timer, pending)
             metrics = {} if pending is None else {**pending.result(), **prepared.extra}
+        # the learners' busy time: from the start of the update, which may be before this step's (update_ahead:
+        # the part that ran beside the last step's publish and bookkeeping)
+        timer.times["update_actor"] = time.perf_counter() - t_start
+        timer.times["update_ahead"] = max(0.0, timer.started - t_start)
         if compat:
             self.dcall("pause", False)
+        if pending is not None:
+            self.start_next_early()
         return StepResult(batch=prepared.batch, metrics=metrics)
+
+    def start_next_early(self) -> None:
+        """Right after an update ends, start the next one if its batch is staged already (sampled ahead), and
+        before it rank 0's publish of this update's weights when one is due: the learners go from one update to
+        the next while the loop publishes (:meth:`publish_weights` collects the reply), logs and settles this step.
+
+        Not when the loop reads the learners between the two (a checkpoint or validation is due after this update,
+        ``trainer.total_time_minutes`` is up), with ``sync_compatible`` (rollouts pause during updates), or with
+        in-process learners (nothing would run beside the loop). Each update still trains on the weights of the one
+        before and is published after it, exactly as if started later (an actor serves its calls in order)."""
+        prepared = self._ahead
+        step = self.global_step + 1  # the update that just ended (the loop counts it after this returns)
+        if (not self.back_to_back_enabled or prepared is None or prepared.fields is None
+                or self.learners.local is not None or self.config.trainer.v1.separate_async.sync_compatible
+                or self.learner_read_after(step) or self.past_deadline()):
+            return
+        if step % self.sync_step == 0:
+            self._publishing = (self.version + 1, self.learners.start_publish(self.store, self.version + 1))
+        self._ahead = None
+        self._started = (prepared, self.start_update(prepared), time.perf_counter())
+        self.back_to_back_updates += 1
+
+    def update_in_flight(self) -> bool:
+        return self._started is not None
 
     def after_update(self) -> None:
         if self.strategy == "wait":
@@ -502,7 +557,7 @@ class SeparateAsyncTrainer(BaseTrainer):
                     "regenerated_groups": int(buf.get("buffer/regenerated_groups", 0)),
                     "learner_idle_frac": float(self.last_metrics.get("perf/learner_idle_frac", 1.0)),
                     "replaced_workers": self.replaced_workers, "threshold": self.threshold,
-                    "landed_groups": self.landed_groups})
+                    "landed_groups": self.landed_groups, "back_to_back_updates": self.back_to_back_updates})
         if self.auto is not None:
             out["auto_threshold"] = self.auto.summary()
             self.printer(self.auto.summary_text())

@@ -81,6 +81,42 @@ def test_an_update_started_on_staged_fields_equals_a_blocking_one(ray_cluster, s
     np.testing.assert_allclose([m_start[k] for k in same], [m_block[k] for k in same], rtol=1e-5, atol=1e-7)
 
 
+def test_a_publish_started_between_two_started_updates_holds_the_first_updates_weights(ray_cluster,
+                                                                                        small_overrides, batch):
+    """separate_async starts update u+1 right after update u, with rank 0's publish of u's weights between them and
+    nothing waited for: the store gets exactly the weights after u, and u+1 trains on from them."""
+    from omnirl_async.learners.weight_store import WeightStore
+
+    fields, gids = batch
+    cfg = load_config(small_overrides)
+    group = LearnerGroup(cfg, use_ray=True, num_threads=1)
+    try:
+        group.update(fields, gids)
+        after_one = group.get_weights()
+        group.update(fields, gids)
+        after_two = group.get_weights()
+    finally:
+        group.stop()
+    assert any(not np.array_equal(after_one[k], after_two[k]) for k in after_one)  # the second update moved them
+
+    store = ray_cluster.remote(num_cpus=0)(WeightStore).remote(keep=2)
+    group = LearnerGroup(cfg, use_ray=True, num_threads=1)
+    try:
+        first = group.start_update(group.stage(fields), gids)
+        publishing = group.start_publish(store, 1)
+        second = group.start_update(group.stage(fields), gids)  # submitted before anything was waited for
+        info = publishing.result()
+        assert (info.version, info.adapter_versions) == (1, {"default": 1})
+        first.result(), second.result()
+        published = ray_cluster.get(ray_cluster.get(store.get.remote(1))[1][0])
+        for k in after_one:
+            np.testing.assert_allclose(published[k], after_one[k], rtol=0, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(group.get_weights()[k], after_two[k], rtol=0, atol=1e-6, err_msg=k)
+        assert group.adapter_versions() == {"default": 2}
+    finally:
+        group.stop()
+
+
 def test_bypass_equals_decoupled_when_lag_is_zero(small_overrides, batch):
     fields, gids = batch
     weights = {}

@@ -86,3 +86,44 @@ def test_every_prompt_is_trained_once_when_a_worker_is_killed(ray_cluster, small
     per_prompt = Counter(p for _, p, _ in groups)
     assert per_prompt == Counter(PROMPTS)  # every prompt of the epoch exactly once
     assert summary["global_step"] == len(PROMPTS) // 2
+
+
+@pytest.mark.slow  # a full training run; tests/learners/test_learner_group.py checks the call order in `make test`
+def test_back_to_back_updates_publish_every_version_after_its_own_update(ray_cluster, small_overrides, tmp_path):
+    """An update started as soon as the one before ends (its batch sampled ahead) still trains after the publish
+    of the one before: every published version holds exactly its update; checkpoints see no update in flight;
+    every prompt is trained once within the threshold. With it off, no update starts early."""
+    import ray
+
+    class Audited(SeparateAsyncTrainer):
+        def publish_weights(self):
+            out = super().publish_weights()
+            info, _ = ray.get(self.store.get.remote(self.version))
+            self.published.append((self.version, self.global_step, info.adapter_versions["default"]))
+            return out
+
+        def save_checkpoint(self):
+            self.saves.append((self.global_step, self._started is None,
+                               self.learners.adapter_versions()["default"]))
+            return super().save_checkpoint()
+
+    got = {}
+    for enabled in (True, False):
+        cfg = _cfg(small_overrides, tmp_path / str(enabled), "trainer.total_epochs=3", "trainer.save_freq=4",
+                   "trainer.v1.sampler.max_off_policy_threshold=1", "actor_rollout_ref.actor.ppo_epochs=3")
+        trainer = Audited(cfg, PROMPTS, printer=lambda *a: None)
+        trainer.back_to_back_enabled, trainer.published, trainer.saves = enabled, [], []
+        try:
+            summary = trainer.fit()
+        finally:
+            trainer.stop()
+        got[enabled] = summary
+        assert summary["global_step"] == 3 * len(PROMPTS) // 2
+        assert all(step == held for _, step, held in trainer.published), trainer.published
+        assert [v for v, _, _ in trainer.published] == list(range(summary["global_step"] + 1))  # 0 at the start
+        assert trainer.saves and all(idle and held == step for step, idle, held in trainer.saves), trainer.saves
+        groups = {(g, p, e) for g, p, e, _, _ in trainer.trained_log}  # one entry per sample
+        assert Counter(p for _, p, _ in groups) == Counter({p: 3 for p in PROMPTS})
+        assert max(lv - bv for _, _, _, bv, lv in trainer.trained_log) <= 1
+    assert got[True]["back_to_back_updates"] > 0
+    assert got[False]["back_to_back_updates"] == 0

@@ -225,6 +225,42 @@ def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_c
                         "`trainer.resume_mode=auto` to continue from it")
 
 
+@pytest.mark.slow  # separate_async only: sync never starts an update before its step
+def test_a_learner_dying_while_an_update_runs_back_to_back_gives_the_same_one_message(ray_cluster, small_overrides,
+                                                                                     tmp_path):
+    """Killed right after the next update was started early (with the publish of the last one before it): the
+    loop's collect of that publish is the one clear error, with the checkpoint to resume from."""
+    import ray
+
+    from omnirl_async.learners.learner_group import LearnerDiedError
+    from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
+
+    class KillLearner(SeparateAsyncTrainer):
+        killed_at = None
+
+        def start_next_early(self):
+            super().start_next_early()
+            if self._started is not None and self.global_step >= 2 and self.killed_at is None:
+                self.killed_at = self.global_step
+                ray.kill(self.learners.actors[0], no_restart=True)
+
+    cfg = _cfg(small_overrides, tmp_path, "separate_async", PROMPTS, "trainer.save_freq=2", "trainer.total_epochs=4",
+               "trainer.v1.sampler.max_off_policy_threshold=1", "actor_rollout_ref.actor.ppo_epochs=3")
+    trainer = KillLearner(cfg, PROMPTS, printer=lambda *a: None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LearnerDiedError) as err:
+            trainer.fit()
+    finally:
+        trainer.stop()
+    assert trainer.killed_at is not None and time.monotonic() - t0 < 120
+    assert err.value.rank == 0 and err.value.call == "publish" and err.value.__cause__ is None
+    assert str(err.value).startswith("learner rank 0 died during `publish`; training cannot continue without it.")
+    last = 2 * (trainer.killed_at // 2)  # saves every 2 steps, never with an update in flight
+    assert str(err.value).endswith(f"the last complete checkpoint is {tmp_path / 'ckpt' / f'global_step_{last}'}; "
+                                   "rerun with `trainer.resume_mode=auto` to continue from it")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_without_a_buffer_snapshot_generates_the_untrained_groups_again(ray_cluster, small_overrides,
