@@ -191,13 +191,25 @@ def test_drop_strategy_with_failed_rewards_and_a_ragged_epoch_ends(ray_cluster, 
     assert sum(trained.values()) == 9 - summary["reward_failed"] // 2 and summary["reward_failed"] > 0
 
 
+def _fit_until_the_learner_dies(trainer):
+    """Run ``trainer`` (whose learner is killed on the way) to its LearnerDiedError: (the error, seconds taken)."""
+    from omnirl_async.learners.learner_group import LearnerDiedError
+
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(LearnerDiedError) as err:
+            trainer.fit()
+    finally:
+        trainer.stop()
+    return err, time.monotonic() - t0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_cluster, small_overrides, tmp_path,
                                                                           mode):
     import ray
 
-    from omnirl_async.learners.learner_group import LearnerDiedError
     from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
     from omnirl_async.trainer.sync import SyncTrainer
 
@@ -211,13 +223,8 @@ def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_c
 
     cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], "trainer.save_freq=2")
     trainer = KillLearner(cfg, PROMPTS[:8], printer=lambda *a: None)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(LearnerDiedError) as err:
-            trainer.fit()
-    finally:
-        trainer.stop()
-    assert time.monotonic() - t0 < 60
+    err, seconds = _fit_until_the_learner_dies(trainer)
+    assert seconds < 60
     msg = str(err.value)
     assert err.value.rank == 0 and err.value.call == "update" and err.value.__cause__ is None
     assert msg.startswith("learner rank 0 died during `update`; training cannot continue without it. Cause: ")
@@ -232,7 +239,6 @@ def test_a_learner_dying_while_an_update_runs_back_to_back_gives_the_same_one_me
     loop's collect of that publish is the one clear error, with the checkpoint to resume from."""
     import ray
 
-    from omnirl_async.learners.learner_group import LearnerDiedError
     from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
 
     class KillLearner(SeparateAsyncTrainer):
@@ -247,13 +253,8 @@ def test_a_learner_dying_while_an_update_runs_back_to_back_gives_the_same_one_me
     cfg = _cfg(small_overrides, tmp_path, "separate_async", PROMPTS, "trainer.save_freq=2", "trainer.total_epochs=4",
                "trainer.v1.sampler.max_off_policy_threshold=1", "actor_rollout_ref.actor.ppo_epochs=3")
     trainer = KillLearner(cfg, PROMPTS, printer=lambda *a: None)
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(LearnerDiedError) as err:
-            trainer.fit()
-    finally:
-        trainer.stop()
-    assert trainer.killed_at is not None and time.monotonic() - t0 < 120
+    err, seconds = _fit_until_the_learner_dies(trainer)
+    assert trainer.killed_at is not None and seconds < 120
     assert err.value.rank == 0 and err.value.call == "publish" and err.value.__cause__ is None
     assert str(err.value).startswith("learner rank 0 died during `publish`; training cannot continue without it.")
     last = 2 * (trainer.killed_at // 2)  # saves every 2 steps, never with an update in flight
