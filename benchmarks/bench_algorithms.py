@@ -164,14 +164,12 @@ def heldout_setup(args):
     """(output folder, held-out prompts, the base model's scores on them)."""
     import torch
 
-    from omnirl_async.config import load_config
     from omnirl_async.data.prompts import heldout_prompts
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(2)
     prompts = heldout_prompts()[: args.num_prompts]
-    cfg0 = load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"])
     return out, prompts, base_at(args.images_per_prompt, prompts, args.seed)
 
 

@@ -286,6 +286,11 @@ class LearnerWorker:
         return True
 
 
+def _rank0_reply(replies: list) -> Any:
+    """What a call made on rank 0 alone returned."""
+    return replies[0]
+
+
 class PendingUpdate:
     """An update the learners are running (:meth:`LearnerGroup.start_update`); with ``combine``, any other call
     started on them (:meth:`LearnerGroup.start_publish`)."""
@@ -447,10 +452,9 @@ class LearnerGroup:
         update started next trains on after publishing (an actor serves its calls in order)."""
         if self.local is not None:
             info = self.local.publish(store, version)
-            return PendingUpdate(lambda: [info], combine=lambda infos: infos[0])
+            return PendingUpdate(lambda: [info], combine=_rank0_reply)
         refs = self._submit("publish", [0], store, version)
-        return PendingUpdate(lambda: self._collect("publish", [0], refs), list(refs.values()),
-                             combine=lambda infos: infos[0])
+        return PendingUpdate(lambda: self._collect("publish", [0], refs), list(refs.values()), combine=_rank0_reply)
 
     def assert_healthy(self) -> list[dict]:
         return self._all("assert_healthy")

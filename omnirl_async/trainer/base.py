@@ -292,8 +292,7 @@ class BaseTrainer:
         self.on_run_start()
         bar = tqdm(total=None if tcfg.total_time_minutes else self.total_steps(), initial=self.global_step,
                    desc=self.progress_label(), unit="step", disable=not tcfg.progress_bar, dynamic_ncols=True)
-        deadline = time.monotonic() + 60.0 * tcfg.total_time_minutes if tcfg.total_time_minutes else None
-        self.deadline = deadline
+        self.deadline = time.monotonic() + 60.0 * tcfg.total_time_minutes if tcfg.total_time_minutes else None
         cap = int(tcfg.total_training_steps) if tcfg.total_training_steps else None
         t_run = time.perf_counter()
         try:

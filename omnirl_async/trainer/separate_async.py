@@ -430,15 +430,14 @@ class SeparateAsyncTrainer(BaseTrainer):
         compat = self.config.trainer.v1.separate_async.sync_compatible
         if compat:
             self.dcall("pause", True)
-        with timer("update_actor"):
-            if started is None:
-                t_start = time.perf_counter()
-                pending = self.start_update(prepared)
-            if pending is not None:
-                self._ahead = self.sample_ahead(timer, pending)
-            metrics = {} if pending is None else {**pending.result(), **prepared.extra}
-        # the learners' busy time: from the start of the update, which may be before this step's (update_ahead:
-        # the part that ran beside the last step's publish and bookkeeping)
+        if started is None:
+            t_start = time.perf_counter()
+            pending = self.start_update(prepared)
+        if pending is not None:
+            self._ahead = self.sample_ahead(timer, pending)
+        metrics = {} if pending is None else {**pending.result(), **prepared.extra}
+        # timing_s/update_actor, the learners' busy time: from the start of the update, which may be before this
+        # step's (update_ahead: the part that ran beside the last step's publish and bookkeeping)
         timer.times["update_actor"] = time.perf_counter() - t_start
         timer.times["update_ahead"] = max(0.0, timer.started - t_start)
         if compat:
