@@ -20,7 +20,8 @@ the same direct-preference loss (``--algo``, settings of
 
 * ``online``: rollouts only (``buffer.offline_mix_ratio=0``);
 * ``offline``: the offline store alone (``algorithm.sample_source=offline``, no rollout workers);
-* ``mix_<r>``: rollouts plus offline pairs at ``buffer.offline_mix_ratio=r`` for each of ``--ratios``.
+* ``mix_<r>``: rollouts plus offline pairs at ``buffer.offline_mix_ratio=r`` for each of ``--ratios`` (the pairs
+  take the place of ``round(r * data.train_batch_size)`` online groups of every update).
 
 Each run checkpoints every ``--eval-every`` steps; the base model and every
 checkpoint are scored on the held-out prompts (GenEval protocol: ODE

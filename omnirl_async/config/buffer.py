@@ -76,8 +76,9 @@ class BufferConfig:
     freshness_decay: float = opt(0.5, "Per-version-lag priority decay of the freshness sampler.", gt=0, le=1)
     offline_mix_ratio: float = opt(
         0.0, "Fraction of each learner batch drawn from the offline table (the run's offline store, "
-        "docs/PREFERENCE_DATA.md): offline rows are this share of all rows trained, the rest online rollouts; "
-        "0 = online only.", ge=0, le=1,
+        "docs/PREFERENCE_DATA.md): offline pairs take the place of round(r x data.train_batch_size) online groups "
+        "per update (at least one group stays online) and make this share of all rows trained; 0 = online only.",
+        ge=0, le=1,
         no_effect=(OFFLINE_NEEDS_PREFERENCE,
                    NoEffect("every learner row already comes from the offline table", when=_offline_source,
                             when_doc="with `algorithm.sample_source` = offline", fix="leave it at {default}"),

@@ -98,17 +98,27 @@ def _as_image(x) -> np.ndarray:
     return a[..., :3]
 
 
+def _write_text_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 class Tracking:
     """Fan metrics, the run's config and images out to the configured backends.
 
     ``config``: the run's resolved config as a nested mapping (the hyperparameters of the run).
+    ``wandb_id``: the W&B run to continue (a resumed training run; ``resume="allow"``), None for a new one;
+    ``wandb_id_file``: where the W&B run's id is written, so that a later resume can continue it.
     """
 
     _CONSOLE_KEYS = ("critic/rewards/mean", "critic/score/tiny_geneval/strict/mean", "actor/pg_loss", "actor/ppo_kl",
                      "actor/pg_clipfrac", "actor/grad_norm", "perf/throughput", "timing_s/step",
                      "training/off_policy/trajectory_staleness/mean")
 
-    def __init__(self, trainer_cfg, *, printer=print, config: Mapping | None = None):
+    def __init__(self, trainer_cfg, *, printer=print, config: Mapping | None = None, wandb_id: str | None = None,
+                 wandb_id_file: str | Path | None = None):
         loggers = trainer_cfg.logger
         self.backends = [loggers] if isinstance(loggers, str) else list(loggers or [])
         bad = [b for b in self.backends if b not in LOGGERS]
@@ -133,14 +143,20 @@ class Tracking:
         #: the W&B run's folder (``<log dir>/wandb/<offline-run-...>``) when W&B logs
         self.wandb_dir: Path | None = None
         if self._wandb is not None:
-            self.wandb_run = self._start_wandb(trainer_cfg, config)
+            self.wandb_run = self._start_wandb(trainer_cfg, config, wandb_id)
             self.wandb_dir = Path(self.wandb_run.dir).parent  # run.dir is that folder's files/
+            if wandb_id_file is not None:
+                _write_text_atomic(Path(wandb_id_file), self.wandb_run.id + "\n")
+            if wandb_id:
+                self.printer(f"W&B: continuing run {wandb_id} (a resumed run logs into the same W&B run; steps the "
+                             "earlier run already logged past its checkpoint keep their first values)")
 
-    def _start_wandb(self, trainer_cfg, config: Mapping | None):
+    def _start_wandb(self, trainer_cfg, config: Mapping | None, wandb_id: str | None):
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        resume = {"id": wandb_id, "resume": "allow"} if wandb_id else {}
         try:
             return self._wandb.init(project=trainer_cfg.project_name, name=trainer_cfg.experiment_name,
-                                    dir=str(self.log_dir), config=dict(config or {}), reinit="create_new")
+                                    dir=str(self.log_dir), config=dict(config or {}), reinit="create_new", **resume)
         except Exception as err:  # noqa: BLE001 - login, network and permission errors come in many types
             self.close()
             raise RuntimeError(f"`trainer.logger` = {self.backends!r}: wandb.init failed ({err}). Fix: log in "

@@ -36,8 +36,8 @@ from omnirl_async.protocol import WeightsInfo
 from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
-from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs
-from omnirl_async.trainer.run_dir import config_dict
+from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs, online_groups_per_update
+from omnirl_async.trainer.run_dir import config_dict, wandb_resume_id, wandb_run_id_file
 from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
 
@@ -96,7 +96,7 @@ class BaseTrainer:
     def _setup(self, config, prompts: list[str], printer) -> None:
         aro = config.actor_rollout_ref
         self.n = aro.rollout.n
-        self.batch_prompts = config.data.train_batch_size
+        self.batch_prompts = online_groups_per_update(config)  # offline pairs take the place of some groups
         self.prompts = prompts
         self.dispatcher = self.make_dispatcher(prompts)
         self.buffer = self.make_buffer()
@@ -112,7 +112,8 @@ class BaseTrainer:
         self.global_step = 0
         self.ckpt = CheckpointManager(config.trainer.default_local_dir,
                                       max_to_keep=config.trainer.max_actor_ckpt_to_keep)
-        self.tracking = Tracking(config.trainer, printer=printer, config=config_dict(config))
+        self.tracking = Tracking(config.trainer, printer=printer, config=config_dict(config),
+                                 wandb_id=wandb_resume_id(config), wandb_id_file=wandb_run_id_file(config))
         self.weight_bytes = 0
         self._val_prompts: list[str] | None = None
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)

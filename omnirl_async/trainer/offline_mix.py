@@ -6,12 +6,18 @@ buffer's offline table when the run starts, after a resume restored the
 buffer (:meth:`OfflineData.fill`; only pairs the table lacks are added).
 Then, in both trainer modes:
 
-* ``buffer.offline_mix_ratio`` = r in (0, 1): every learner update takes the
-  online batch the mode produced (sync: the step's groups; separate_async: the
-  admitted tickets, or the fresh samples under ``drop``) and adds the offline
-  share :meth:`~omnirl_async.buffer.base.ReplayBuffer.sample_offline` draws for
-  it, so that offline rows are r of all rows trained (the rounding carries over
-  between updates). The online batch alone goes on to the step's metrics:
+* ``buffer.offline_mix_ratio`` = r in (0, 1): the offline share takes the
+  place of online groups. Each update trains
+  :func:`online_groups_per_update` = ``round((1 - r) * data.train_batch_size)``
+  (at least 1) online groups, the batch the mode produced from them (sync: the
+  step's groups; separate_async: the admitted tickets, or the fresh samples
+  under ``drop``), plus the offline share
+  :meth:`~omnirl_async.buffer.base.ReplayBuffer.sample_offline` draws for it, so
+  that offline rows are r of all rows trained (the rounding carries over
+  between updates) and a learner batch keeps about
+  ``data.train_batch_size * rollout.n`` rows: offline pairs save the rollouts
+  they replace rather than lengthen the update. The online batch alone goes on
+  to the step's metrics:
   rewards, staleness, the audit trail and the trained tickets never see an
   offline row;
 * ``algorithm.sample_source=offline``: no rollout workers are started; every
@@ -36,7 +42,19 @@ import numpy as np
 from omnirl_async.buffer.base import SampledBatch
 from omnirl_async.buffer.offline_table import OFFLINE_FIELD
 
-__all__ = ["OfflineData", "learner_inputs"]
+__all__ = ["OfflineData", "learner_inputs", "online_groups_per_update"]
+
+
+def online_groups_per_update(config) -> int:
+    """Online prompts (groups of ``rollout.n``) per learner update: ``data.train_batch_size``, less the groups the
+    offline share of ``buffer.offline_mix_ratio`` = r takes the place of (``round((1 - r) * train_batch_size)``,
+    at least one). The offline rows drawn with them make r of all rows trained
+    (:meth:`~omnirl_async.buffer.base.ReplayBuffer.sample_offline`)."""
+    groups = int(config.data.train_batch_size)
+    r = float(config.buffer.offline_mix_ratio)
+    if config.algorithm.sample_source == "offline" or not 0.0 < r < 1.0:
+        return groups
+    return max(1, int(math.floor((1.0 - r) * groups + 0.5)))
 
 
 def learner_inputs(online: SampledBatch, offline: SampledBatch) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -70,6 +88,8 @@ class OfflineData:
         rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.rows_per_step = rows + rows % 2  # whole pairs
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)
+        self.online_groups = online_groups_per_update(config)
+        self.n = int(config.actor_rollout_ref.rollout.n)
         self.pairs = 0
 
     @property
@@ -83,7 +103,9 @@ class OfflineData:
         info = self.buffer.load_offline(self.run_dir)
         self.pairs = int(info["pairs"])
         how = ("trains on them alone (`algorithm.sample_source` = offline)" if self.only else
-               f"mixes them into each learner batch at `buffer.offline_mix_ratio` = {self.ratio:g}")
+               f"mixes them into each learner batch at `buffer.offline_mix_ratio` = {self.ratio:g}: "
+               f"{self.online_groups} online group(s) of {self.n} samples and "
+               f"~{self.ratio / (1 - self.ratio) * self.online_groups * self.n:.0f} offline rows per update")
         self.printer(f"offline table: {self.pairs} preference pairs from {info['dir']} ({info['added']} added now); "
                      f"the run {how}")
 

@@ -34,9 +34,12 @@ from omnirl_async.trainer.checkpoint import CheckpointManager, verify_or_raise
 
 __all__ = ["RESOLVED_CONFIG", "RESUME_MUST_MATCH", "RESUME_FREE", "config_dict", "resolved_config_text",
            "run_folders", "write_resolved_config", "read_saved_config", "load_run_config", "find_run",
-           "resume_changes", "check_resume_config", "prepare_run_dir"]
+           "resume_changes", "check_resume_config", "prepare_run_dir", "WANDB_RUN_ID", "wandb_run_id_file",
+           "wandb_resume_id"]
 
 RESOLVED_CONFIG = "resolved_config.yaml"
+#: the W&B run id of a run that logs to W&B, beside its checkpoints: a resumed run continues that W&B run
+WANDB_RUN_ID = "wandb_run_id.txt"
 
 #: Keys a checkpoint depends on: resuming it with another value is refused.
 RESUME_MUST_MATCH = (
@@ -176,6 +179,24 @@ def _resume_source(config) -> tuple[Path, str] | None:
         ckpt = Path(tcfg.resume_from_path)
         return ckpt.parent, f"its checkpoint {ckpt.name}"
     return None
+
+
+def wandb_run_id_file(config) -> Path:
+    """Where this run keeps its W&B run id: :data:`WANDB_RUN_ID` in ``trainer.default_local_dir``."""
+    return Path(config.trainer.default_local_dir) / WANDB_RUN_ID
+
+
+def wandb_resume_id(config) -> str | None:
+    """The W&B run a resumed run continues: the id saved beside the checkpoints it resumes. None when the run
+    starts fresh, or the run it resumes did not log to W&B (or predates the file): then W&B starts a new run."""
+    source = _resume_source(config)
+    if source is None:
+        return None
+    try:
+        text = (source[0] / WANDB_RUN_ID).read_text().strip()
+    except OSError:
+        return None
+    return text if text.replace("-", "").replace("_", "").isalnum() else None
 
 
 def check_resume_config(config, *, printer: Callable[[str], None] = print) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -136,3 +137,48 @@ def test_missing_wandb_names_the_key_and_the_pip_command(tmp_path, monkeypatch):
 def test_unknown_logger_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"`trainer.logger`.*mlflow"):
         Tracking(_trainer_cfg(tmp_path, ["mlflow"]))
+
+
+def _wandb_offline(monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for var in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_NAME", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _history_steps(run_dir: Path) -> tuple[str, list[int]]:
+    """The run id and the logged steps of an offline W&B run folder, read with W&B's own reader."""
+    res = subprocess.run([sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(run_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr[-2000:]
+    records = [json.loads(line) for line in res.stdout.splitlines() if line.strip()]
+    (run,) = [r["run"] for r in records if r["type"] == "run"]
+    return run["run_id"], sorted(int(r["history"]["step"]["num"]) for r in records if r["type"] == "history")
+
+
+def test_a_resumed_run_continues_the_wandb_run_whose_id_it_saved(tmp_path, monkeypatch):
+    _wandb_offline(monkeypatch)
+    id_file = tmp_path / "ckpt" / "wandb_run_id.txt"
+    first = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id_file=id_file)
+    for step in (1, 2):
+        first.log({"critic/rewards/mean": 0.1 * step}, step=step)
+    run_id = first.wandb_run.id
+    first.close()
+    assert id_file.read_text().strip() == run_id  # saved beside the checkpoints, for a later resume
+
+    lines: list[str] = []
+    second = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id=run_id, wandb_id_file=id_file,
+                      printer=lines.append)
+    assert second.wandb_run.id == run_id and any(f"continuing run {run_id}" in line for line in lines)
+    second.log({"critic/rewards/mean": 0.3}, step=3)
+    second.close()
+    assert id_file.read_text().strip() == run_id
+    dirs = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*"))
+    # both folders carry the run's id (W&B adds -1 to a second folder of the same second): `wandb sync` joins them
+    assert len(dirs) == 2 and all(re.fullmatch(rf"offline-run-\d+_\d+-{run_id}(-\d+)?", d.name) for d in dirs), dirs
+    assert _history_steps(second.wandb_dir) == (run_id, [3])
+
+    fresh = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id_file=id_file)
+    assert fresh.wandb_run.id != run_id and id_file.read_text().strip() == fresh.wandb_run.id  # a new run, new id
+    fresh.close()

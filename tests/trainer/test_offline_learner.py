@@ -16,7 +16,7 @@ from omnirl_async.learners.preference_learner import PreferenceLearner
 from omnirl_async.preflight import InputError
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags
 from omnirl_async.trainer.ingest import check_offline_store
-from omnirl_async.trainer.offline_mix import learner_inputs
+from omnirl_async.trainer.offline_mix import learner_inputs, online_groups_per_update
 from tests.data.offline_fixtures import PROMPTS, model_store, synthetic_store
 
 RECIPES = {"dpo": ["actor_rollout_ref.model.algorithm=dpo"],
@@ -127,6 +127,22 @@ def test_config_refuses_what_offline_data_cannot_do(overrides, needles):
     for needle in needles:
         assert needle in str(err.value)
     load_config(["actor_rollout_ref.model.algorithm=dpo", "buffer.offline_mix_ratio=0.5"])  # this one is fine
+
+
+@pytest.mark.parametrize("batch,ratio,groups", [(4, 0.0, 4), (4, 0.25, 3), (4, 0.5, 2), (4, 0.1, 4), (4, 0.9, 1),
+                                                (8, 0.25, 6), (8, 0.3, 6), (2, 0.5, 1), (1, 0.5, 1)])
+def test_offline_pairs_take_the_place_of_online_groups(batch, ratio, groups):
+    cfg = load_config(["actor_rollout_ref.model.algorithm=dpo", f"data.train_batch_size={batch}",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=1", f"buffer.offline_mix_ratio={ratio}"])
+    assert online_groups_per_update(cfg) == groups
+    # with the offline share that sample_offline draws for them (r of all rows), a learner batch keeps about
+    # train_batch_size x n rows, exactly when r x train_batch_size is whole
+    n = cfg.actor_rollout_ref.rollout.n
+    if ratio < 1 and (ratio * batch).is_integer():
+        assert groups * n / (1 - ratio) == pytest.approx(batch * n)
+    offline_only = load_config(["actor_rollout_ref.model.algorithm=dpo", f"data.train_batch_size={batch}",
+                                "actor_rollout_ref.actor.ppo_mini_batch_size=1", "algorithm.sample_source=offline"])
+    assert online_groups_per_update(offline_only) == batch
 
 
 def test_a_run_on_offline_data_needs_a_filled_store_of_its_model(small_overrides, tiny, tmp_path):

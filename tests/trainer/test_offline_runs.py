@@ -59,18 +59,21 @@ def test_mixed_run_draws_the_ratio_and_splits_metrics(ray_cluster, small_overrid
     printed: list[str] = []
     summary = TaskRunner(cfg, printer=printed.append).run()
     assert summary["global_step"] == 4
-    assert any("offline table: 12 preference pairs" in line for line in printed), printed
+    assert any("offline table: 12 preference pairs" in line and "1 online group(s) of 3 samples and ~3 offline rows "
+               "per update" in line for line in printed), printed
     s = _scalars(tmp_path / "tb")
-    # every online batch of 2 groups x 3 samples got as many offline rows: the drawn share is the ratio
-    assert s["training/offline_samples"] == [6.0] * 4
+    # the offline half takes the place of one of the 2 groups: each update trains 1 online group of 3 samples and
+    # whole offline pairs as the carried rounding gives them (3 wanted: 2 pairs, then 1, ...): the drawn share is
+    # the ratio and a batch keeps ~2 x 3 rows
+    assert s["training/offline_samples"] == [4.0, 2.0, 4.0, 2.0]
     assert s["buffer/offline_frac"][-1] == pytest.approx(0.5)
     assert s["buffer/offline_size"][-1] == 24
     for key in ("actor/dpo/implicit_acc/online", "actor/dpo/implicit_acc/offline", "actor/pg_loss/offline"):
         assert key in s and all(math.isfinite(v) for v in s[key]), key
-    assert s["actor/dpo/num_pairs/offline"] == [3.0] * 4
+    assert s["actor/dpo/num_pairs/offline"] == [2.0, 1.0, 2.0, 1.0]
     # staleness comes from the online rows alone (offline rows would read lag 0)
     assert max(s["training/off_policy/trajectory_staleness/max"]) <= (1 if mode == "separate_async" else 0)
-    assert s["buffer/sampled"][-1] == 4 * 6  # online samples only
+    assert s["buffer/sampled"][-1] == 4 * 3  # online samples only: one group of 3 per update
 
 
 @pytest.mark.slow

@@ -410,3 +410,26 @@ def test_validation_scores_the_learner_version_also_right_after_a_resume(ray_clu
     grid_a = np.asarray(Image.open(tmp_path / "a" / "ckpt" / "validation" / "step_2.png"))
     grid_b = np.asarray(Image.open(tmp_path / "b" / "ckpt" / "validation" / "step_2.png"))
     assert np.array_equal(grid_a, grid_b)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_resumed_run_logs_into_the_same_wandb_run(ray_cluster, small_overrides, tmp_path, mode, monkeypatch):
+    """W&B (offline) as the logger: the run saves its W&B id beside the checkpoints; the resumed run continues it."""
+    pytest.importorskip("wandb")
+    from tests.metrics.test_loggers import _history_steps, _wandb_offline
+
+    _wandb_offline(monkeypatch)
+    common = ["trainer.save_freq=2", "trainer.logger=[wandb]", "buffer.snapshot_with_checkpoint=false"]
+    TaskRunner(_cfg(small_overrides, tmp_path, mode, PROMPTS[:8], *common, "trainer.total_training_steps=2"),
+               printer=lambda *a: None).run()
+    run_id = (tmp_path / "ckpt" / "wandb_run_id.txt").read_text().strip()
+    (first,) = (tmp_path / "tb" / "wandb").glob("offline-run-*")
+    assert _history_steps(first) == (run_id, [1, 2])
+    printed: list[str] = []
+    summary = TaskRunner(_cfg(small_overrides, tmp_path, mode, PROMPTS[:8], *common, "trainer.total_training_steps=3",
+                              "trainer.resume_mode=auto"), printer=printed.append).run()
+    assert summary["global_step"] == 3
+    assert any(f"W&B: continuing run {run_id}" in line for line in printed), printed
+    (second,) = [d for d in (tmp_path / "tb" / "wandb").glob("offline-run-*") if d != first]
+    assert _history_steps(second) == (run_id, [3])  # `wandb sync` of both folders gives one run, steps 1-3

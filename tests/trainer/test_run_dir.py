@@ -181,3 +181,25 @@ def test_eval_compare_base_needs_a_lora_and_a_strict_reward(tmp_path, small_over
     assert cli.main(["eval", "--run", str(run), "--threads", "1", "--compare-base",
                      "reward.reward_fn_name=brightness"]) == 2
     assert "gives no strict field" in capsys.readouterr().err
+
+
+def test_wandb_resume_id_is_the_one_saved_beside_the_resumed_checkpoints(tmp_path, small_overrides):
+    from omnirl_async.trainer.run_dir import WANDB_RUN_ID, wandb_resume_id, wandb_run_id_file
+
+    run = tmp_path / "run"
+    cfg = _cfg(tmp_path, small_overrides, "trainer.resume_mode=auto")
+    assert wandb_run_id_file(cfg) == run / WANDB_RUN_ID
+    assert wandb_resume_id(cfg) is None  # no checkpoint: a fresh run, a new W&B run
+    (run / "global_step_2").mkdir(parents=True)
+    assert wandb_resume_id(cfg) is None  # the earlier run did not log to W&B
+    (run / WANDB_RUN_ID).write_text("ab12cd34\n")
+    assert wandb_resume_id(cfg) == "ab12cd34"
+    assert wandb_resume_id(_cfg(tmp_path, small_overrides, "trainer.resume_mode=disable")) is None
+    other = tmp_path / "other"
+    (other / "global_step_7").mkdir(parents=True)
+    (other / WANDB_RUN_ID).write_text("ef56\n")
+    cfg_path = _cfg(tmp_path, small_overrides, "trainer.resume_mode=resume_path",
+                    f"trainer.resume_from_path={other / 'global_step_7'}")
+    assert wandb_resume_id(cfg_path) == "ef56"  # the run whose checkpoint is resumed, not this run's folder
+    (other / WANDB_RUN_ID).write_text("not an id/../x\n")
+    assert wandb_resume_id(cfg_path) is None
