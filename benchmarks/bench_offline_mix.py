@@ -2,7 +2,8 @@
 
     python benchmarks/bench_offline_mix.py [--minutes 10] [--algo diffusion_nft] [--mode separate_async]
                                            [--ratios 0.25,0.5] [--pairs 256] [--pairs-from renders|model]
-                                           [--model-samples 8] [--num-prompts 256]
+                                           [--model-samples 8] [--offline-advantage A] [--store DIR]
+                                           [--num-prompts 256]
                                            [--images-per-prompt 4] [--eval-every 40] [--out bench_out/offline_mix]
     python benchmarks/bench_offline_mix.py --quick      # a < 1 minute smoke of the whole pipeline
 
@@ -55,9 +56,12 @@ QUICK_OVERRIDES = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "
                    "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4"]
 
 
-def variants(ratios: list[float]) -> dict[str, list[str]]:
-    out = {"online": [], "offline": ["algorithm.sample_source=offline"]}
-    out.update({f"mix_{r:g}": [f"buffer.offline_mix_ratio={r:g}"] for r in ratios})
+def variants(ratios: list[float], offline_advantage: float | None = None) -> dict[str, list[str]]:
+    """Each run's own overrides; ``offline_advantage`` goes to the runs that read offline pairs (the config refuses
+    it where no offline pair is trained)."""
+    strength = [] if offline_advantage is None else [f"algorithm.offline_advantage={offline_advantage:g}"]
+    out = {"online": [], "offline": ["algorithm.sample_source=offline", *strength]}
+    out.update({f"mix_{r:g}": [f"buffer.offline_mix_ratio={r:g}", *strength] for r in ratios})
     return out
 
 
@@ -138,6 +142,12 @@ def main(argv=None) -> int:
                     help="renders: a render meeting every clause vs one breaking one; model: best vs worst of "
                          "--model-samples samples of the base model, ranked by the reward")
     ap.add_argument("--model-samples", type=int, default=8, metavar="K", help="with --pairs-from model")
+    ap.add_argument("--offline-advantage", type=float, default=None, metavar="A",
+                    help="algorithm.offline_advantage for the runs that read offline pairs (default: adv_clip_max, "
+                         "NFT's r = 1 / 0)")
+    ap.add_argument("--store", default=None, metavar="DIR",
+                    help="an offline store an earlier run of this benchmark built (<out>/store/offline): reuse it "
+                         "instead of building the preference dataset again")
     ap.add_argument("--eval-every", type=int, default=40, help="checkpoint (and evaluate) every N updates")
     ap.add_argument("--num-prompts", type=int, default=256, help="held-out prompts")
     ap.add_argument("--images-per-prompt", type=int, default=4)
@@ -166,13 +176,19 @@ def main(argv=None) -> int:
     overrides0 = base_overrides(args.algo) + ALGOS[args.algo] + args.shared + [
         f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}", *args.overrides]
     cfg0 = load_config(overrides0)
-    store = build_store(args, out, cfg0, overrides0)
+    if args.store:
+        from omnirl_async.buffer.offline_store import OfflineStore
+
+        store = Path(args.store)
+        print(f"offline store: {len(OfflineStore(store.parent))} pairs reused from {store}", flush=True)
+    else:
+        store = build_store(args, out, cfg0, overrides0)
     base = evaluate(load_config(RL_DEFAULTS + [f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}"]
                                 + args.shared), None, prompts, args.seed)
     started = init_ray(cfg0)  # one Ray for every run (TaskRunner joins it)
     results = {}
     try:
-        for name, extra in variants(ratios).items():
+        for name, extra in variants(ratios, args.offline_advantage).items():
             results[name] = run_variant(name, extra, args, out, store, prompts, base)
             (out / "results.json").write_text(json.dumps(results, indent=2))
     finally:
@@ -181,7 +197,8 @@ def main(argv=None) -> int:
     plot(results, out / "curves.png")
     print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {args.images_per_prompt} images, "
           f"seed {args.seed}); {args.algo}, {args.mode}, {args.minutes:g} min of training each, offline store "
-          f"{args.pairs} prompts, pairs from {args.pairs_from}:")
+          f"{args.store or f'{args.pairs} prompts, pairs from {args.pairs_from}'}, offline advantage "
+          f"{'adv_clip_max' if args.offline_advantage is None else f'{args.offline_advantage:g}'}:")
     print("| run | updates | offline share | before | after | gain (95 % CI) | best (step: overall) |")
     print("|---|---|---|---|---|---|---|")
     for name, r in results.items():

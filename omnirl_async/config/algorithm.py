@@ -32,6 +32,16 @@ _OLD_POLICY_ONLY = NoEffect("only the 'old' LoRA adapter (DiffusionNFT / AWM, di
                                 "`actor_rollout_ref.model.policy_state_adapters=[default,old]`")
 
 
+def _no_offline_rows(algo: Any, root: Any) -> str | None:
+    if root.buffer.offline_mix_ratio > 0 or algo.sample_source == "offline":
+        return None
+    return "while `buffer.offline_mix_ratio` = 0 and `algorithm.sample_source` = online"
+
+
+def _pairwise(algo: Any, root: Any) -> str | None:
+    return "with `algorithm.paired_preference` = true (dpo)" if algo.paired_preference else None
+
+
 def _adv_estimators():
     from omnirl_async.algos.advantage import registered_adv_estimators
 
@@ -102,4 +112,16 @@ class DiffusionAlgoConfig:
     paired_preference: bool = opt(False, "Batches of (winner, loser) pairs, never split across mini-batches or "
                                   "learners; the pair-based loss (dpo) needs it. Online pairs are the best and worst "
                                   "sample of each group (ties skipped).")
+    offline_advantage: Any = opt(
+        None, "Advantage an offline pair's chosen (+a) and rejected (-a) sample train with in the pointwise losses "
+        "(DiffusionNFT: r = a / (2 adv_clip_max) + 0.5; AWM's weight); null = actor.diffusion_loss.adv_clip_max, "
+        "so r = 1 / 0. About 1 puts a pair on the scale of the best and worst sample of a normalised online group.",
+        gt=0, no_effect=(NoEffect("no offline pair is trained", when=_no_offline_rows,
+                                  when_doc="while `buffer.offline_mix_ratio` = 0 and `algorithm.sample_source` = online",
+                                  fix="leave it at {default}, or mix offline pairs in (`buffer.offline_mix_ratio` > 0, "
+                                      "or `algorithm.sample_source=offline`)"),
+                         NoEffect("the pairwise loss (dpo) compares the two samples of a pair and gives them no "
+                                  "advantage", when=_pairwise,
+                                  when_doc="with `algorithm.paired_preference` = true (dpo)",
+                                  fix="leave it at {default}, or use a pointwise loss (diffusion_nft, awm)")))
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

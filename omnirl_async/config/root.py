@@ -108,6 +108,11 @@ class DiffusionTrainerConfig:
                              f"{loss!r}: " + ("Diffusion-DPO trains on (winner, loser) pairs; set "
                                               "`algorithm.paired_preference=true`." if pairwise else
                                               "only the pair-based loss (dpo) reads pairs; set it to false."))
+        clip = aro.actor.diffusion_loss.adv_clip_max
+        if algo.offline_advantage is not None and algo.offline_advantage > clip:
+            raise ValueError(f"`algorithm.offline_advantage` = {algo.offline_advantage:g} exceeds "
+                             f"`actor_rollout_ref.actor.diffusion_loss.adv_clip_max` = {clip:g}, where every advantage "
+                             "is clipped; use a value up to it (null = the clip itself: r = 1 / 0).")
         if algo.trainer_type == "direct_preference":
             rc = algo.rollout_correction
             on = [k for k, v in (("rollout_is", rc.rollout_is), ("rollout_rs", rc.rollout_rs),

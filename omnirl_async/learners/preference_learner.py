@@ -41,9 +41,11 @@ arrive as rows marked by the bool field ``offline`` (each pair two adjacent
 rows, chosen first, rewards 1 and 0). They have no group of rollouts to
 normalise against, so :meth:`prepare_batch` computes the group advantages on
 the online rows only (the offline rows never shift the online mean or std)
-and gives the offline chosen row ``A = +adv_clip_max`` and the rejected one
-``A = -adv_clip_max``: DiffusionNFT's ``r`` is then exactly 1 and 0, AWM's
-weight +1 and -1, and Diffusion-DPO pairs them as they are (online pairs are
+and gives the offline chosen row ``A = +a`` and the rejected one ``A = -a``
+with ``a`` = ``algorithm.offline_advantage``, by default ``adv_clip_max``:
+DiffusionNFT's ``r`` is then exactly 1 and 0 (``a`` = 1: 0.6 and 0.4, the
+scale of a normalised online group), AWM's weight +-a / adv_clip_max, and
+Diffusion-DPO pairs them as they are (online pairs are
 the best and worst of each group, as without offline data). Metrics per
 source (online / offline): ``actor/pg_loss/<source>`` and, for DPO,
 ``actor/dpo/implicit_acc/<source>`` and ``actor/dpo/reward_margin/<source>``
@@ -136,7 +138,8 @@ class PreferenceLearner(Learner):
         return batch
 
     def _prepare_mixed(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, Any]:
-        """A batch with offline rows: online advantages from the online rows alone, offline A = +-adv_clip_max."""
+        """A batch with offline rows: online advantages from the online rows alone; offline A = +-``offline_advantage``
+        (null: +-adv_clip_max)."""
         batch = {k: torch.from_numpy(np.array(v)) for k, v in fields.items() if k != "images"}
         off = batch[OFFLINE_FIELD].bool()
         batch[OFFLINE_FIELD] = off
@@ -153,8 +156,9 @@ class PreferenceLearner(Learner):
             a_np = a.float().numpy()
             metrics = {**adv_metrics, "critic/advantages/mean": float(a_np.mean()),
                        "critic/advantages/max": float(a_np.max()), "critic/advantages/min": float(a_np.min())}
-        c = float(self.actor_cfg.diffusion_loss.adv_clip_max)
-        adv[off] = torch.where(rewards[off] > 0.5, torch.tensor(c), torch.tensor(-c))  # chosen r = 1, rejected r = 0
+        c = self.algo_cfg.offline_advantage  # null: +-adv_clip_max, NFT's chosen r = 1, rejected r = 0
+        c = float(self.actor_cfg.diffusion_loss.adv_clip_max if c is None else c)
+        adv[off] = torch.where(rewards[off] > 0.5, torch.tensor(c), torch.tensor(-c))
         batch["advantages"] = adv
         batch["_metrics"] = metrics
         batch["_group_ids"] = list(group_ids)  # the probe's pairs (pointwise losses keep the row order)

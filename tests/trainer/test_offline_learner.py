@@ -89,6 +89,24 @@ def test_offline_rows_get_r_one_and_zero_and_leave_online_advantages_alone(small
     assert metrics["critic/advantages/max"] == pytest.approx(float(alone["advantages"].max()))
 
 
+@pytest.mark.parametrize("algo", ["diffusion_nft", "awm"])
+def test_offline_advantage_sets_the_strength_of_offline_pairs(small_overrides, tiny, algo):
+    _, online, offline = tiny
+    fields, gids = learner_inputs(online, offline)
+    losses = {}
+    for a in (None, 1.0):
+        extra = [] if a is None else [f"algorithm.offline_advantage={a}"]
+        learner = PreferenceLearner(_config(small_overrides, algo, "buffer.offline_mix_ratio=0.5", *extra))
+        c = learner.actor_cfg.diffusion_loss.adv_clip_max if a is None else a
+        b = learner.prepare_batch(fields, gids)
+        off = b[OFFLINE_FIELD]
+        assert b["advantages"][off].tolist() == [c, -c] * (len(offline) // 2)
+        alone = learner.prepare_batch(online.fields, [m.tags.group_uid for m in online.metas])
+        assert torch.equal(b["advantages"][~off], alone["advantages"])  # online rows untouched either way
+        losses[a] = learner.update(fields, gids)["actor/pg_loss/offline"]
+    assert losses[None] != pytest.approx(losses[1.0])  # the same rows, the same seeds: only the strength differs
+
+
 def test_dpo_trains_offline_pairs_as_given_and_splits_its_metrics(small_overrides, tiny):
     _, online, offline = tiny
     learner = PreferenceLearner(_config(small_overrides, "dpo"))
@@ -120,6 +138,12 @@ def test_dpo_trains_offline_pairs_as_given_and_splits_its_metrics(small_override
      ["no room for online samples", "algorithm.sample_source=offline"]),
     (["actor_rollout_ref.model.algorithm=dpo", "algorithm.sample_source=offline", "buffer.offline_mix_ratio=0.5"],
      ["every learner row already comes from the offline table"]),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.offline_advantage=1.0"],
+     ["`algorithm.offline_advantage`", "no offline pair is trained", "buffer.offline_mix_ratio"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "algorithm.offline_advantage=1.0", "buffer.offline_mix_ratio=0.5"],
+     ["`algorithm.offline_advantage`", "compares the two samples of a pair", "diffusion_nft, awm"]),
+    (["actor_rollout_ref.model.algorithm=awm", "algorithm.offline_advantage=6", "buffer.offline_mix_ratio=0.5"],
+     ["`algorithm.offline_advantage` = 6 exceeds", "adv_clip_max` = 5"]),
 ])
 def test_config_refuses_what_offline_data_cannot_do(overrides, needles):
     with pytest.raises(ConfigError) as err:
