@@ -64,6 +64,21 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     assert rows[2].endswith("| 3.0 | 1.00x |") and rows[3].endswith("| 2.0 | 1.50x |") and "| 9.5 |" in rows[3]
 
 
+def test_offline_mix_variants_load_with_the_offline_strength_only_where_pairs_are_read():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_offline_mix")
+    base = bench.base_overrides("diffusion_nft") + bench.ALGOS["diffusion_nft"]
+    for strength in (None, 1.0):
+        got = {name: load_config(base + extra) for name, extra in bench.variants([0.25, 0.5], strength).items()}
+        assert list(got) == ["online", "offline", "mix_0.25", "mix_0.5"]  # every variant is a valid config
+        assert got["online"].algorithm.offline_advantage is None  # refused there: no offline pair is trained
+        for name in ("offline", "mix_0.25", "mix_0.5"):
+            assert got[name].algorithm.offline_advantage == strength, name
+    assert got["mix_0.5"].buffer.offline_mix_ratio == 0.5 and got["offline"].algorithm.sample_source == "offline"
+
+
 @pytest.mark.slow
 def test_offline_mix_quick_run_with_model_sample_pairs(tmp_path):
     """The whole bench_offline_mix pipeline on a tiny world, its store built from ranked samples of the base model."""
