@@ -173,6 +173,13 @@ def test_a_dead_rank_is_reported_at_once_while_another_still_works(ray_cluster):
     alive, doomed = Sleeper.remote(), Sleeper.remote()
     ray.get([alive.nap.remote(0), doomed.nap.remote(0)])
     ray.kill(doomed)
+    deadline = time.monotonic() + 30  # ray.kill is asynchronous: on a loaded machine a call may still get through
+    while True:
+        try:
+            ray.get(doomed.nap.remote(0), timeout=10)
+        except ray.exceptions.RayActorError:
+            break
+        assert time.monotonic() < deadline, "the killed actor still answers after 30 s"
     t0 = time.monotonic()
     with pytest.raises(LearnerDiedError) as info:
         wait_for_learners({0: alive.nap.remote(20.0), 1: doomed.nap.remote(0.0)}, "get_state", 60)
