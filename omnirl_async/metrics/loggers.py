@@ -98,27 +98,19 @@ def _as_image(x) -> np.ndarray:
     return a[..., :3]
 
 
-def _write_text_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 class Tracking:
     """Fan metrics, the run's config and images out to the configured backends.
 
     ``config``: the run's resolved config as a nested mapping (the hyperparameters of the run).
-    ``wandb_id``: the W&B run to continue (a resumed training run; ``resume="allow"``), None for a new one;
-    ``wandb_id_file``: where the W&B run's id is written, so that a later resume can continue it.
+    ``wandb_id``: the W&B run to continue (a resumed training run; ``resume="allow"``), None for a new one
+    (``wandb_run.id`` is the id to keep for a later resume).
     """
 
     _CONSOLE_KEYS = ("critic/rewards/mean", "critic/score/tiny_geneval/strict/mean", "actor/pg_loss", "actor/ppo_kl",
                      "actor/pg_clipfrac", "actor/grad_norm", "perf/throughput", "timing_s/step",
                      "training/off_policy/trajectory_staleness/mean")
 
-    def __init__(self, trainer_cfg, *, printer=print, config: Mapping | None = None, wandb_id: str | None = None,
-                 wandb_id_file: str | Path | None = None):
+    def __init__(self, trainer_cfg, *, printer=print, config: Mapping | None = None, wandb_id: str | None = None):
         loggers = trainer_cfg.logger
         self.backends = [loggers] if isinstance(loggers, str) else list(loggers or [])
         bad = [b for b in self.backends if b not in LOGGERS]
@@ -145,8 +137,6 @@ class Tracking:
         if self._wandb is not None:
             self.wandb_run = self._start_wandb(trainer_cfg, config, wandb_id)
             self.wandb_dir = Path(self.wandb_run.dir).parent  # run.dir is that folder's files/
-            if wandb_id_file is not None:
-                _write_text_atomic(Path(wandb_id_file), self.wandb_run.id + "\n")
             if wandb_id:
                 self.printer(f"W&B: continuing run {wandb_id} (a resumed run logs into the same W&B run; steps the "
                              "earlier run already logged past its checkpoint keep their first values)")

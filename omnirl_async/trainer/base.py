@@ -37,7 +37,7 @@ from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
 from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs, online_groups_per_update
-from omnirl_async.trainer.run_dir import config_dict, wandb_resume_id, wandb_run_id_file
+from omnirl_async.trainer.run_dir import config_dict, wandb_resume_id, write_wandb_run_id
 from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
 
@@ -113,7 +113,9 @@ class BaseTrainer:
         self.ckpt = CheckpointManager(config.trainer.default_local_dir,
                                       max_to_keep=config.trainer.max_actor_ckpt_to_keep)
         self.tracking = Tracking(config.trainer, printer=printer, config=config_dict(config),
-                                 wandb_id=wandb_resume_id(config), wandb_id_file=wandb_run_id_file(config))
+                                 wandb_id=wandb_resume_id(config))
+        if self.tracking.wandb_run is not None:
+            write_wandb_run_id(config, self.tracking.wandb_run.id)
         self.weight_bytes = 0
         self._val_prompts: list[str] | None = None
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)

@@ -35,7 +35,7 @@ from omnirl_async.trainer.checkpoint import CheckpointManager, verify_or_raise
 __all__ = ["RESOLVED_CONFIG", "RESUME_MUST_MATCH", "RESUME_FREE", "config_dict", "resolved_config_text",
            "run_folders", "write_resolved_config", "read_saved_config", "load_run_config", "find_run",
            "resume_changes", "check_resume_config", "prepare_run_dir", "WANDB_RUN_ID", "wandb_run_id_file",
-           "wandb_resume_id"]
+           "write_wandb_run_id", "wandb_resume_id"]
 
 RESOLVED_CONFIG = "resolved_config.yaml"
 #: the W&B run id of a run that logs to W&B, beside its checkpoints: a resumed run continues that W&B run
@@ -100,13 +100,17 @@ def write_resolved_config(config, folders: Sequence[str | os.PathLike] | None = 
     """Write ``resolved_config.yaml`` into each folder (default :func:`run_folders`), atomically."""
     written = []
     for folder in (run_folders(config) if folders is None else [Path(f) for f in folders]):
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / RESOLVED_CONFIG
-        tmp = folder / f".{RESOLVED_CONFIG}.{os.getpid()}.tmp"
-        tmp.write_text(resolved_config_text(config, folder), encoding="utf-8")
-        os.replace(tmp, path)
-        written.append(path)
+        written.append(_write_atomic(folder / RESOLVED_CONFIG, resolved_config_text(config, folder)))
     return written
+
+
+def _write_atomic(path: Path, text: str) -> Path:
+    """``text`` into ``path`` through a temporary sibling and ``os.replace`` (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
+    return path
 
 
 # ---------------------------------------------------------------------------- reading
@@ -184,6 +188,11 @@ def _resume_source(config) -> tuple[Path, str] | None:
 def wandb_run_id_file(config) -> Path:
     """Where this run keeps its W&B run id: :data:`WANDB_RUN_ID` in ``trainer.default_local_dir``."""
     return Path(config.trainer.default_local_dir) / WANDB_RUN_ID
+
+
+def write_wandb_run_id(config, run_id: str) -> Path:
+    """Keep the id of the W&B run this run logs to beside its checkpoints, for :func:`wandb_resume_id`."""
+    return _write_atomic(wandb_run_id_file(config), run_id + "\n")
 
 
 def wandb_resume_id(config) -> str | None:

@@ -157,28 +157,24 @@ def _history_steps(run_dir: Path) -> tuple[str, list[int]]:
     return run["run_id"], sorted(int(r["history"]["step"]["num"]) for r in records if r["type"] == "history")
 
 
-def test_a_resumed_run_continues_the_wandb_run_whose_id_it_saved(tmp_path, monkeypatch):
+def test_a_resumed_run_continues_the_wandb_run_whose_id_it_is_given(tmp_path, monkeypatch):
     _wandb_offline(monkeypatch)
-    id_file = tmp_path / "ckpt" / "wandb_run_id.txt"
-    first = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id_file=id_file)
+    first = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG)
     for step in (1, 2):
         first.log({"critic/rewards/mean": 0.1 * step}, step=step)
-    run_id = first.wandb_run.id
+    run_id = first.wandb_run.id  # the trainer keeps it beside the checkpoints (run_dir.write_wandb_run_id)
     first.close()
-    assert id_file.read_text().strip() == run_id  # saved beside the checkpoints, for a later resume
 
     lines: list[str] = []
-    second = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id=run_id, wandb_id_file=id_file,
-                      printer=lines.append)
+    second = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id=run_id, printer=lines.append)
     assert second.wandb_run.id == run_id and any(f"continuing run {run_id}" in line for line in lines)
     second.log({"critic/rewards/mean": 0.3}, step=3)
     second.close()
-    assert id_file.read_text().strip() == run_id
     dirs = sorted((tmp_path / "logs" / "wandb").glob("offline-run-*"))
     # both folders carry the run's id (W&B adds -1 to a second folder of the same second): `wandb sync` joins them
     assert len(dirs) == 2 and all(re.fullmatch(rf"offline-run-\d+_\d+-{run_id}(-\d+)?", d.name) for d in dirs), dirs
     assert _history_steps(second.wandb_dir) == (run_id, [3])
 
-    fresh = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG, wandb_id_file=id_file)
-    assert fresh.wandb_run.id != run_id and id_file.read_text().strip() == fresh.wandb_run.id  # a new run, new id
+    fresh = Tracking(_trainer_cfg(tmp_path, ["wandb"]), config=CONFIG)
+    assert fresh.wandb_run.id != run_id  # no id given: a new W&B run
     fresh.close()

@@ -184,7 +184,7 @@ def test_eval_compare_base_needs_a_lora_and_a_strict_reward(tmp_path, small_over
 
 
 def test_wandb_resume_id_is_the_one_saved_beside_the_resumed_checkpoints(tmp_path, small_overrides):
-    from omnirl_async.trainer.run_dir import WANDB_RUN_ID, wandb_resume_id, wandb_run_id_file
+    from omnirl_async.trainer.run_dir import WANDB_RUN_ID, wandb_resume_id, wandb_run_id_file, write_wandb_run_id
 
     run = tmp_path / "run"
     cfg = _cfg(tmp_path, small_overrides, "trainer.resume_mode=auto")
@@ -192,7 +192,8 @@ def test_wandb_resume_id_is_the_one_saved_beside_the_resumed_checkpoints(tmp_pat
     assert wandb_resume_id(cfg) is None  # no checkpoint: a fresh run, a new W&B run
     (run / "global_step_2").mkdir(parents=True)
     assert wandb_resume_id(cfg) is None  # the earlier run did not log to W&B
-    (run / WANDB_RUN_ID).write_text("ab12cd34\n")
+    assert write_wandb_run_id(cfg, "ab12cd34") == run / WANDB_RUN_ID
+    assert (run / WANDB_RUN_ID).read_text() == "ab12cd34\n" and not list(run.glob(".*.tmp"))
     assert wandb_resume_id(cfg) == "ab12cd34"
     assert wandb_resume_id(_cfg(tmp_path, small_overrides, "trainer.resume_mode=disable")) is None
     other = tmp_path / "other"
