@@ -161,15 +161,17 @@ class ReplayBuffer(ABC):
         """
 
     @abstractmethod
-    def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
+    def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None) -> SampledBatch:
         """The offline share to go with an online batch of ``num_online`` samples; never blocks.
 
         Whole pairs from the offline table, so that offline rows make up
         ``buffer.offline_mix_ratio`` of every row drawn (the rounding carries
         over from call to call; ``buffer/offline_frac`` reports the share so
-        far). Empty when the ratio is 0 or ``num_online`` is 0; ``ValueError``
-        when the ratio is 1 (use ``sample(..., source="offline")``) or the
-        offline table is empty.
+        far). ``ratio`` (in (0, 1)) replaces the configured share for this
+        call (a tapered share: ``buffer.offline_mix_ratio_final``); the carry
+        then keeps each call's share. Empty when the ratio is 0 or
+        ``num_online`` is 0; ``ValueError`` when the ratio is 1 (use
+        ``sample(..., source="offline")``) or the offline table is empty.
         """
 
     @abstractmethod

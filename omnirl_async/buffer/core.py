@@ -226,17 +226,21 @@ class BufferCore:
             online = self.tables["online"]
             return self._collect([online.sample_tickets(int(below))], int(learner_version))
 
-    def sample_offline(self, num_online: int, *, learner_version: int):
+    def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None):
         """The offline share that goes with an online batch of ``num_online`` samples (whole pairs; never blocks).
 
         Over all calls the offline rows make up ``offline_mix_ratio`` of every row drawn:
         after this call ``offline / (online + offline)`` is as close to the ratio as whole groups
         allow (the rounding of one call is carried into the next, so the share is exact over a run
-        however small the batches). ``num_online`` = 0 (an empty step) draws nothing.
+        however small the batches). ``ratio`` replaces ``offline_mix_ratio`` for this call (a tapered
+        share): the call adds ``ratio / (1 - ratio) * num_online`` offline rows to the running target.
+        ``num_online`` = 0 (an empty step) draws nothing.
         """
         if not isinstance(num_online, (int, np.integer)) or num_online < 0:
             raise ValueError(f"`num_online` = {num_online!r}: must be an integer >= 0")
-        r = self.offline_mix_ratio
+        r = self.offline_mix_ratio if ratio is None else float(ratio)
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"`ratio` = {ratio!r}: must be in [0, 1]")
         if r >= 1.0:
             raise ValueError("`buffer.offline_mix_ratio` = 1 leaves no room for online samples; draw from the "
                              "offline table alone with sample(batch_size, source='offline') "
@@ -249,7 +253,8 @@ class BufferCore:
                 raise ValueError(self._empty_offline_text())
             c = self.metrics.counters
             c["mix_online"] += int(num_online)
-            want = r / (1.0 - r) * c["mix_online"] - c["mix_offline"]
+            c["mix_target"] += r / (1.0 - r) * int(num_online)
+            want = c["mix_target"] - c["mix_offline"]
             m = int(np.floor(want + 0.5))
             taken = [self._draw(offline, m, int(learner_version))] if m > 0 else []
             c["mix_offline"] += sum(len(items) for groups in taken for _, items in groups)

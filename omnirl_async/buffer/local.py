@@ -91,8 +91,8 @@ class LocalReplayBuffer(ReplayBuffer):
         metas, parts, info = self._core.sample_tickets(below, learner_version=learner_version)
         return SampledBatch(metas=metas, fields=assemble_fields(parts), info=info)
 
-    def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
-        metas, parts, info = self._core.sample_offline(num_online, learner_version=learner_version)
+    def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None) -> SampledBatch:
+        metas, parts, info = self._core.sample_offline(num_online, learner_version=learner_version, ratio=ratio)
         return SampledBatch(metas=metas, fields=assemble_fields(parts), info=info)
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:

@@ -68,8 +68,9 @@ class BufferMetrics:
                          # groups whose payload died with its producer before being trained, generated again
                          "regenerated_groups": 0,
                          # the offline share's running totals (BufferCore.sample_offline): online samples mixed
-                         # with, offline samples drawn for them
-                         "mix_online": 0, "mix_offline": 0}
+                         # with, offline samples drawn for them, and the offline samples wanted so far (the sum of
+                         # each call's ratio / (1 - ratio) * online; a float)
+                         "mix_online": 0, "mix_offline": 0, "mix_target": 0.0}
         self.lag_hist = [0] * (max_lag_bin + 1)
         self.lag_sum = 0
         self.lag_max = 0
@@ -126,7 +127,10 @@ class BufferMetrics:
                 "failed_kinds": dict(self.failed_kinds)}
 
     def load_state_dict(self, s: dict) -> None:
-        self.counters.update({k: int(v) for k, v in s["counters"].items()})
+        self.counters.update({k: float(v) if isinstance(self.counters.get(k), float) else int(v)
+                              for k, v in s["counters"].items()})
+        if "mix_target" not in s["counters"]:  # snapshots of older versions: no carry
+            self.counters["mix_target"] = float(self.counters["mix_offline"])
         hist = [int(x) for x in s["lag_hist"]]
         self.lag_hist = (hist + [0] * len(self.lag_hist))[:len(self.lag_hist)]
         self.lag_sum, self.lag_max = int(s["lag_sum"]), int(s["lag_max"])

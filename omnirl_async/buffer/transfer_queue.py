@@ -180,8 +180,8 @@ class _Controller:
         return _ENC.encode(metas), parts, info
 
     @_guard
-    def sample_offline(self, num_online: int, learner_version: int):
-        metas, parts, info = self.core.sample_offline(num_online, learner_version=learner_version)
+    def sample_offline(self, num_online: int, learner_version: int, ratio: float | None = None):
+        metas, parts, info = self.core.sample_offline(num_online, learner_version=learner_version, ratio=ratio)
         return _ENC.encode(metas), parts, info
 
     @_guard
@@ -385,10 +385,10 @@ class RayReplayBuffer(ReplayBuffer):
         return self._batch(*self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)),
                                        0.0))
 
-    def sample_offline(self, num_online: int, *, learner_version: int) -> SampledBatch:
+    def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None) -> SampledBatch:
         self.flush()  # this client's own puts first
-        return self._batch(*self._wait(self._controller.sample_offline.remote(int(num_online),
-                                                                              int(learner_version)), 0.0))
+        return self._batch(*self._wait(self._controller.sample_offline.remote(
+            int(num_online), int(learner_version), None if ratio is None else float(ratio)), 0.0))
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:
         self.flush()  # this client's own puts first

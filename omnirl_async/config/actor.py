@@ -138,9 +138,11 @@ class OptimConfig:
     weight_decay: float = opt(1e-4, "Decoupled weight decay.", ge=0)
     betas: Any = opt(None, "Adam betas [b1, b2]; null = [0.9, 0.999].")
     eps: float = opt(1e-8, "Adam epsilon.", gt=0)
-    lr_warmup_steps: int = opt(0, "Linear warm-up steps.", ge=0)
+    lr_warmup_steps: int = opt(0, "Linear warm-up, in learner updates.", ge=0)
     lr_scheduler_type: str = opt("constant", "constant or cosine after warm-up.", choices=("constant", "cosine"))
-    total_training_steps: Any = opt(None, "Horizon of the cosine schedule; null = trainer.total_training_steps.", gt=0)
+    total_training_steps: Any = opt(None, "Horizon of the cosine schedule, in learner updates; null = the run's "
+                                    "length: trainer.total_training_steps (or total_epochs) updates, or "
+                                    "trainer.total_time_minutes of training time, whichever ends first.", gt=0)
 
 
 @dataclass

@@ -50,6 +50,12 @@ def _online_source(section, root) -> str | None:
     return "with `algorithm.sample_source` = online" if root.algorithm.sample_source == "online" else None
 
 
+def _no_mixing(section, root) -> str | None:
+    if root.algorithm.sample_source == "offline":
+        return "with `algorithm.sample_source` = offline"
+    return "while `buffer.offline_mix_ratio` = 0" if not section.offline_mix_ratio > 0 else None
+
+
 _WAIT_LIMITER = wait_no_effect("a rate limiter cannot hold a batch back (admission control already paces the "
                                "rollout)", fix="set it to null, or use the drop strategy")
 
@@ -87,6 +93,17 @@ class BufferConfig:
                             when_doc="with `algorithm.sample_source` = online",
                             fix="set `algorithm.sample_source=offline` to train on the offline table alone, or a "
                                 "ratio below 1")))
+    offline_mix_ratio_final: Any = opt(
+        None, "The offline share at the end of the run: the share drawn for each update moves linearly from "
+        "offline_mix_ratio at the start to this value at the end (the run's progress, as a cosine learning rate "
+        "measures it: trainer.total_training_steps updates or trainer.total_time_minutes of training time, whichever "
+        "ends first). The online groups per update stay those of offline_mix_ratio, so with 0 the last updates train "
+        "their online groups alone. For pairs that help early and hold a stronger policy back later; null = "
+        "offline_mix_ratio throughout.", ge=0, lt=1,
+        no_effect=(NoEffect("no offline share is drawn to taper", when=_no_mixing,
+                            when_doc="while `buffer.offline_mix_ratio` = 0 or `algorithm.sample_source` = offline",
+                            fix="leave it at {default}, or mix offline pairs in (`buffer.offline_mix_ratio` > 0 with "
+                                "`algorithm.sample_source=online`)"),))
     snapshot_with_checkpoint: bool = opt(True, "Save the buffer with every checkpoint.")
 
 

@@ -133,7 +133,8 @@ class TrainerConfig:
     device: str = opt("auto", "auto (cuda when available), cpu or cuda.", choices=("auto", "cpu", "cuda"))
     total_epochs: int = opt(100, "Passes over the prompt set.", gt=0)
     total_training_steps: Any = opt(None, "Stop after this many learner steps; null = total_epochs.", gt=0)
-    total_time_minutes: Any = opt(None, "Stop after this much wall-clock time (minutes); null = no limit.", gt=0)
+    total_time_minutes: Any = opt(None, "Stop after this much training time (minutes of the training loop, "
+                                  "counted across resumes); null = no limit.", gt=0)
     save_freq: int = opt(-1, "Checkpoint every N steps; <= 0 only at the end.")
     test_freq: int = opt(-1, "Validate every N steps; <= 0 never during training.")
     val_before_train: bool = opt(False, "Validate once before training.")

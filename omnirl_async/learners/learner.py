@@ -14,7 +14,12 @@ is a chain of steps, each overridable and testable alone (RLlib's template):
 4. :meth:`average_gradients` – average across learners; :meth:`find_nonfinite` –
    the step's loss and gradients must be finite (see below);
    :meth:`postprocess_gradients` – clip the norm,
-5. :meth:`apply_gradients` – optimizer and LR-scheduler step.
+5. :meth:`apply_gradients` – optimizer step.
+
+The learning rate of an update is set before its first optimizer step
+(:meth:`set_learning_rate`, :func:`lr_factor`): the schedule counts learner
+updates, as ``trainer.total_training_steps`` does, whatever the number of
+optimizer steps (``ppo_epochs`` x mini-batches) an update makes.
 
 With several learners (``learner.num_workers``), every rank receives the same
 full batch (advantages need every group), takes its slice of each mini-batch,
@@ -25,7 +30,7 @@ Numerical faults are handled per **optimizer step** (one mini-batch of one
 epoch; an update makes ``ppo_epochs x mini-batches`` of them, counted in
 ``actor/num_updates``). A step whose loss (any micro-batch) or any averaged
 gradient is NaN/inf is skipped: its gradients are dropped and the weights,
-optimizer moments and LR schedule stay as they were. The decision is taken
+optimizer moments stay as they were. The decision is taken
 after the gradient all-reduce and shared with one more tiny all-reduce, so
 every rank skips the same steps. Metrics: ``training/nonfinite_steps`` (skipped
 steps so far, kept in :meth:`Learner.get_state`) and ``training/skipped_nonfinite``
@@ -54,7 +59,7 @@ from omnirl_async.models.policy import PromptEmbeds
 from omnirl_async.models.sde import SDEStepOutput, sde_step_with_logprob
 from omnirl_async.models.setup import build_policy, build_teacher, pick_device
 
-__all__ = ["Learner", "NonFiniteError"]
+__all__ = ["Learner", "NonFiniteError", "lr_factor"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +86,26 @@ class NonFiniteError(RuntimeError):
         self.quantity, self.step, self.count = quantity, step, count
 
 
+def lr_factor(optim_cfg, step: int, run_progress: float | None) -> float:
+    """The learning-rate multiplier of learner update ``step`` (0-based).
+
+    A linear warm-up over ``optim.lr_warmup_steps`` updates (``(step + 1) / warmup``), then 1 (``constant``) or a
+    cosine from 1 to 0 (``cosine``: ``0.5 * (1 + cos(pi * progress))``). The cosine's progress is
+    ``(step - warmup) / (optim.total_training_steps - warmup)`` when that horizon is set, else ``run_progress``,
+    the fraction of the run done (by ``trainer.total_training_steps`` or ``total_epochs`` updates, or by
+    ``trainer.total_time_minutes`` of training time, whichever ends first); clipped to [0, 1]."""
+    warmup = int(optim_cfg.lr_warmup_steps)
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    if optim_cfg.lr_scheduler_type != "cosine":
+        return 1.0
+    if optim_cfg.total_training_steps:
+        progress = (step - warmup) / max(1, int(optim_cfg.total_training_steps) - warmup)
+    else:
+        progress = float(run_progress or 0.0)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, max(0.0, progress))))
+
+
 class Learner:
     """Owns the trainable policy, the optimizer and the loss of one rank."""
 
@@ -101,7 +126,6 @@ class Learner:
         names = {id(p): n for n, p in self.policy.transformer.named_parameters()}
         self.param_names = [names.get(id(p), f"param[{i}]") for i, p in enumerate(self.params)]
         self.optimizer = self.configure_optimizer()
-        self.scheduler = self.configure_lr_scheduler()
         self.loss_fn = get_diffusion_loss_fn(self.actor_cfg.diffusion_loss.loss_mode)(
             self.actor_cfg.diffusion_loss, self.actor_cfg)
         self.adv_fn = get_diffusion_adv_estimator_fn(self.algo_cfg.adv_estimator)
@@ -120,19 +144,12 @@ class Learner:
         cls = torch.optim.AdamW if o.optimizer == "adamw" else torch.optim.Adam
         return cls(self.params, lr=o.lr, betas=betas, eps=o.eps, weight_decay=o.weight_decay)
 
-    def configure_lr_scheduler(self):
-        o = self.actor_cfg.optim
-        total = o.total_training_steps or self.config.trainer.total_training_steps or 10**9
-
-        def factor(step: int) -> float:
-            if o.lr_warmup_steps and step < o.lr_warmup_steps:
-                return (step + 1) / o.lr_warmup_steps
-            if o.lr_scheduler_type == "cosine":
-                progress = min(1.0, (step - o.lr_warmup_steps) / max(1, total - o.lr_warmup_steps))
-                return 0.5 * (1 + math.cos(math.pi * progress))
-            return 1.0
-
-        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
+    def set_learning_rate(self, run_progress: float | None) -> float:
+        """Set the learning rate of the update about to run (update ``global_step``; see :func:`lr_factor`)."""
+        lr = float(self.actor_cfg.optim.lr) * lr_factor(self.actor_cfg.optim, self.global_step, run_progress)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
 
     # ---------------------------------------------------------------- 1. batch
     def prepare_batch(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, Any]:
@@ -383,7 +400,6 @@ class Learner:
 
     def apply_gradients(self) -> dict[str, float]:
         self.optimizer.step()
-        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"actor/lr": self.optimizer.param_groups[0]["lr"]}
 
@@ -404,9 +420,15 @@ class Learner:
         return metrics
 
     # ---------------------------------------------------------------- the chain
-    def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
-        """Train on one batch (whole groups, identical on every rank). Returns averaged metrics."""
+    def update(self, fields: dict[str, np.ndarray], group_ids: list[str],
+               run_progress: float | None = None) -> dict[str, float]:
+        """Train on one batch (whole groups, identical on every rank). Returns averaged metrics.
+
+        ``run_progress``: the fraction of the run done when this update starts (the trainer's
+        :meth:`~omnirl_async.trainer.base.BaseTrainer.schedule_progress`), the horizon of a cosine learning-rate
+        schedule without ``optim.total_training_steps``; None counts as 0."""
         t0 = time.perf_counter()
+        self.set_learning_rate(run_progress)
         b = self.prepare_batch(fields, group_ids)
         num = self.num_units(b)
         num_steps = self.num_steps(b)
@@ -481,7 +503,7 @@ class Learner:
 
     def get_state(self) -> dict[str, Any]:
         return {"weights": self._trained_weights(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "global_step": self.global_step,
+                "global_step": self.global_step,
                 "rng": self.rng.get_state(), "torch_rng": torch.get_rng_state(),
                 "nonfinite": {"total": self.nonfinite_steps, "consecutive": self.consecutive_nonfinite}}
 
@@ -491,7 +513,8 @@ class Learner:
         else:
             self.policy.load_full_state_dict(state["weights"])
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        # (checkpoints written before the schedule counted updates also hold a "scheduler" entry: the learning
+        # rate is a function of global_step and the run's progress, so it is not needed)
         self.global_step = int(state["global_step"])
         self.rng.set_state(state["rng"])
         torch.set_rng_state(state["torch_rng"])

@@ -240,8 +240,8 @@ class LearnerWorker:
         self.learner = learner_class(self.config)(self.config, rank=self.rank, world_size=self.world_size)
         return True
 
-    def update(self, fields, group_ids):
-        return self.learner.update(fields, group_ids)
+    def update(self, fields, group_ids, run_progress=None):
+        return self.learner.update(fields, group_ids, run_progress)
 
     def get_weights(self) -> dict[str, np.ndarray]:
         return {k: v.detach().cpu().float().numpy() if v.dtype == torch.bfloat16 else v.detach().cpu().numpy()
@@ -395,9 +395,11 @@ class LearnerGroup:
             return getattr(self.local, method)(*args)
         return self._call(method, [0], *args)[0]
 
-    def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
-        """One update on ``fields`` (or what :meth:`stage` made of them); the ranks' metrics, averaged."""
-        return self.start_update(fields, group_ids).result()
+    def update(self, fields: dict[str, np.ndarray], group_ids: list[str],
+               run_progress: float | None = None) -> dict[str, float]:
+        """One update on ``fields`` (or what :meth:`stage` made of them); the ranks' metrics, averaged.
+        ``run_progress``: the fraction of the run done, for the learning-rate schedule (``Learner.update``)."""
+        return self.start_update(fields, group_ids, run_progress).result()
 
     def stage(self, fields: dict[str, np.ndarray]) -> Any:
         """``fields`` put into the object store once, shared by every rank (what :meth:`update` would put),
@@ -408,18 +410,18 @@ class LearnerGroup:
 
         return ray.put(fields)
 
-    def start_update(self, fields: Any, group_ids: list[str]) -> PendingUpdate:
+    def start_update(self, fields: Any, group_ids: list[str], run_progress: float | None = None) -> PendingUpdate:
         """Start an update on every rank and return at once; :meth:`PendingUpdate.result` waits for it (bounded
         by ``trainer.wait_timeout_s`` from then). The in-process group runs it here. Calls made on the group
         before ``result()`` run after the update on each rank (an actor serves its calls in order)."""
         if self.local is not None:
-            metrics = self.local.update(fields, group_ids)
+            metrics = self.local.update(fields, group_ids, run_progress)
             return PendingUpdate(lambda: [metrics])
         import ray
 
         ref = fields if isinstance(fields, ray.ObjectRef) else self.stage(fields)
         ranks = list(range(len(self.actors)))
-        refs = self._submit("update", ranks, ref, group_ids)
+        refs = self._submit("update", ranks, ref, group_ids, run_progress)
         return PendingUpdate(lambda: self._collect("update", ranks, refs), list(refs.values()))
 
     def get_weights(self) -> dict[str, np.ndarray]:

@@ -128,6 +128,8 @@ class BaseTrainer:
         self.all_staleness: list[np.ndarray] = []
         self.learner_busy_s = 0.0
         self.deadline: float | None = None  # monotonic end of `trainer.total_time_minutes`, set by run_loop
+        self.trained_s_before = 0.0  # training time of the run before this process (restored from a checkpoint)
+        self.loop_started: float | None = None  # monotonic start of this process's run_loop
 
     def _await_workers_started(self, timeout_s: float) -> None:
         import ray
@@ -218,7 +220,7 @@ class BaseTrainer:
         self.learners.save_lora(str(tmp / "lora"))
         save_state(self.learners.get_state(), tmp, "learner")
         save_state({"global_step": self.global_step, "version": self.version, "empty_steps": self.empty_steps,
-                    "dispatcher": self.dispatcher_state()}, tmp, "trainer")
+                    "trained_s": self.trained_s(), "dispatcher": self.dispatcher_state()}, tmp, "trainer")
         if self.config.buffer.snapshot_with_checkpoint:
             self.buffer.snapshot(str(tmp / "buffer"))
         return self.ckpt.commit(tmp, self.global_step)
@@ -252,6 +254,7 @@ class BaseTrainer:
         state = load_state(folder, "trainer")
         self.global_step, self.version = int(state["global_step"]), int(state["version"])
         self.empty_steps = int(state.get("empty_steps", 0))
+        self.trained_s_before = float(state.get("trained_s", 0.0))  # absent in checkpoints of older versions
         restored = (folder / "buffer").is_dir()
         if restored:
             self.buffer.restore(str(folder / "buffer"))
@@ -295,8 +298,15 @@ class BaseTrainer:
         self.on_run_start()
         bar = tqdm(total=None if tcfg.total_time_minutes else self.total_steps(), initial=self.global_step,
                    desc=self.progress_label(), unit="step", disable=not tcfg.progress_bar, dynamic_ncols=True)
-        self.deadline = time.monotonic() + 60.0 * tcfg.total_time_minutes if tcfg.total_time_minutes else None
+        self.loop_started = time.monotonic()
+        self.deadline = (self.loop_started + 60.0 * tcfg.total_time_minutes - self.trained_s_before
+                         if tcfg.total_time_minutes else None)
         cap = int(tcfg.total_training_steps) if tcfg.total_training_steps else None
+        if self.past_deadline():
+            self.printer(f"`trainer.total_time_minutes` = {tcfg.total_time_minutes:g} is used up: the run trained "
+                         f"{self.trained_s_before / 60:.1f} min before this resume (the budget counts across "
+                         "resumes); raise it to train longer")
+            cap = self.global_step
         t_run = time.perf_counter()
         try:
             while cap is None or self.global_step < cap:
@@ -418,13 +428,28 @@ class BaseTrainer:
             offline = self.offline.batch(self.version)
         with timer("update_actor"):
             fields, group_ids = learner_inputs(SampledBatch(metas=[], fields={}), offline)
-            metrics = self.learners.update(fields, group_ids)
+            metrics = self.learners.update(fields, group_ids, self.schedule_progress())
         metrics["training/offline_samples"] = float(len(offline))
         return StepResult(batch=SampledBatch(metas=[], fields={}), metrics=metrics)
 
     def past_deadline(self) -> bool:
         """``trainer.total_time_minutes`` is up (never without it)."""
         return self.deadline is not None and time.monotonic() > self.deadline
+
+    def trained_s(self) -> float:
+        """Training time of the run so far (seconds in :meth:`run_loop`, across resumes)."""
+        now = time.monotonic() - self.loop_started if self.loop_started is not None else 0.0
+        return self.trained_s_before + now
+
+    def schedule_progress(self) -> float:
+        """The fraction of the run done when the next update starts, for a cosine learning rate without
+        ``optim.total_training_steps``: updates after warm-up of :meth:`total_steps`, or training time of
+        ``trainer.total_time_minutes``, whichever is further along (the run ends at the first)."""
+        tcfg, warmup = self.config.trainer, int(self.config.actor_rollout_ref.actor.optim.lr_warmup_steps)
+        progress = (self.global_step - warmup) / max(1, self.total_steps() - warmup)
+        if tcfg.total_time_minutes:
+            progress = max(progress, self.trained_s() / (60.0 * tcfg.total_time_minutes))
+        return min(1.0, max(0.0, progress))
 
     def update_in_flight(self) -> bool:
         """An update started ahead of its step (separate_async starts one as soon as the last one ends) is still
@@ -447,7 +472,7 @@ class BaseTrainer:
         ``buffer.offline_mix_ratio`` > 0, staged in the object store (separate_async does this ahead)."""
         if len(batch) == 0:
             return PreparedUpdate(batch)
-        fields, group_ids, extra = self.offline.mix(batch, version)
+        fields, group_ids, extra = self.offline.mix(batch, version, self.schedule_progress())
         return PreparedUpdate(batch, self.learners.stage(fields), group_ids, extra)
 
     def update_learner(self, batch) -> dict[str, float]:
@@ -463,7 +488,7 @@ class BaseTrainer:
         if prepared.fields is None:
             self.empty_steps += 1
             return None
-        return self.learners.start_update(prepared.fields, prepared.group_ids)
+        return self.learners.start_update(prepared.fields, prepared.group_ids, self.schedule_progress())
 
     # ------------------------------------------------------------------ validation and dumps
     def should_validate(self, done: bool, step: int | None = None) -> bool:

@@ -19,7 +19,10 @@ Then, in both trainer modes:
   they replace rather than lengthen the update. The online batch alone goes on
   to the step's metrics:
   rewards, staleness, the audit trail and the trained tickets never see an
-  offline row;
+  offline row. With ``buffer.offline_mix_ratio_final`` the share drawn moves
+  linearly from r at the run's start to that value at its end
+  (:meth:`OfflineData.ratio_at`; the run's progress is the one a cosine
+  learning rate follows), while the online groups per update stay those of r;
 * ``algorithm.sample_source=offline``: no rollout workers are started; every
   update trains ``data.train_batch_size * rollout.n`` offline rows (rounded up
   to whole pairs), and the run ends after ``trainer.total_training_steps``
@@ -85,6 +88,8 @@ class OfflineData:
         self.run_dir = str(config.trainer.default_local_dir)
         self.only = config.algorithm.sample_source == "offline"
         self.ratio = float(config.buffer.offline_mix_ratio)
+        final = config.buffer.offline_mix_ratio_final
+        self.ratio_final = None if final is None or self.only or self.ratio <= 0 else float(final)
         rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.rows_per_step = rows + rows % 2  # whole pairs
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)
@@ -105,17 +110,33 @@ class OfflineData:
         how = ("trains on them alone (`algorithm.sample_source` = offline)" if self.only else
                f"mixes them into each learner batch at `buffer.offline_mix_ratio` = {self.ratio:g}: "
                f"{self.online_groups} online group(s) of {self.n} samples and "
-               f"~{self.ratio / (1 - self.ratio) * self.online_groups * self.n:.0f} offline rows per update")
+               f"~{self.ratio / (1 - self.ratio) * self.online_groups * self.n:.0f} offline rows per update"
+               + ("" if self.ratio_final is None else
+                  f", the share moving to `buffer.offline_mix_ratio_final` = {self.ratio_final:g} by the run's end "
+                  f"(~{self.ratio_final / (1 - self.ratio_final) * self.online_groups * self.n:.0f} rows per update)"))
         self.printer(f"offline table: {self.pairs} preference pairs from {info['dir']} ({info['added']} added now); "
                      f"the run {how}")
 
-    def mix(self, online: SampledBatch, version: int) -> tuple[dict[str, np.ndarray], list[str], dict[str, float]]:
-        """The learner's inputs for an online batch: with mixing on, plus its offline share."""
-        offline = (self.buffer.sample_offline(len(online), learner_version=version) if self.ratio > 0
-                   else SampledBatch(metas=[], fields={}))
+    def ratio_at(self, progress: float) -> float:
+        """The offline share of an update at ``progress`` (the fraction of the run done, in [0, 1])."""
+        if self.ratio_final is None:
+            return self.ratio
+        p = min(1.0, max(0.0, float(progress)))
+        return self.ratio + (self.ratio_final - self.ratio) * p
+
+    def mix(self, online: SampledBatch, version: int,
+            progress: float = 0.0) -> tuple[dict[str, np.ndarray], list[str], dict[str, float]]:
+        """The learner's inputs for an online batch: with mixing on, plus its offline share (at ``progress``,
+        the fraction of the run done, when the share tapers)."""
+        if not self.ratio > 0:
+            fields, group_ids = learner_inputs(online, SampledBatch(metas=[], fields={}))
+            return fields, group_ids, {}
+        ratio = self.ratio_at(progress)
+        offline = self.buffer.sample_offline(len(online), learner_version=version,
+                                             ratio=None if self.ratio_final is None else ratio)
         fields, group_ids = learner_inputs(online, offline)
-        metrics = {"training/offline_samples": float(len(offline))} if self.ratio > 0 else {}
-        return fields, group_ids, metrics
+        return fields, group_ids, {"training/offline_samples": float(len(offline)),
+                                   "training/offline_mix_ratio": ratio}
 
     def batch(self, version: int) -> SampledBatch:
         """An update's batch of ``algorithm.sample_source=offline``: ``rows_per_step`` offline rows."""

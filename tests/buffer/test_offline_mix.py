@@ -126,6 +126,52 @@ def test_drawn_offline_fraction_matches_the_ratio(store_dir, mode, ratio):
     assert b.metrics()["buffer/offline_frac"] == pytest.approx(frac)
 
 
+@pytest.mark.parametrize("mode", ["sync", "separate_async"])
+def test_a_per_call_ratio_tapers_the_share_and_the_carry_keeps_each_calls_share(store_dir, mode):
+    """A share falling linearly from 0.5 to 0 over 200 updates of 12 online samples (sync: 3 fresh groups;
+    separate_async: 3 admitted tickets): the drawn offline rows track the running sum of ratio/(1-ratio) x online
+    within one pair, each half of the run draws its own share, and a ratio of 0 draws nothing."""
+    b = LocalReplayBuffer(spec(buffer_cfg(offline_mix_ratio=0.5),
+                               sampler_cfg(max_off_policy_threshold=0 if mode == "sync" else 1)), seed=2)
+    b.load_offline(str(store_dir))
+    steps, target, drawn = 200, 0.0, []
+    for step in range(steps):
+        ratio = 0.5 * (1 - step / (steps - 1))
+        if mode == "sync":
+            _online(b, step, groups=3)
+            batch = b.sample(b.num_ready_samples(step), learner_version=step, source="online")
+        else:
+            for g in range(3):
+                m, f = make_group(f"t{step}g{g}", 4, version=max(0, step - 1))
+                b.put([_with_ticket(x, 3 * step + g) for x in m],
+                      {"x0": np.zeros((4, 2, 4, 4), np.float32), "rewards": np.arange(4, dtype=np.float32)})
+            batch = b.sample_tickets(3 * (step + 1), learner_version=step)
+        assert len(batch) == 12
+        share = b.sample_offline(len(batch), learner_version=step, ratio=ratio)
+        target += ratio / (1 - ratio) * len(batch)
+        drawn.append(len(share))
+        assert abs(sum(drawn) - target) <= 2.0, (step, sum(drawn), target)  # within one pair
+    first, last = sum(drawn[:100]), sum(drawn[100:])
+    # the first half's ratios run 0.5 -> 0.25 (~2 offline rows per online one at first), the second's 0.25 -> 0
+    assert first / (first + 1200) > 0.36 and last / (last + 1200) < 0.16, (first, last)
+    assert drawn[-1] == 0 and drawn[0] == 12
+    with pytest.raises(ValueError, match="`ratio` = 1.5: must be in"):
+        b.sample_offline(12, learner_version=steps, ratio=1.5)
+
+
+def test_the_carry_of_a_tapered_share_survives_a_snapshot(store_dir, tmp_path):
+    a = LocalReplayBuffer(spec(offline_mix_ratio=0.5), seed=0)
+    a.load_offline(str(store_dir))
+    for step, ratio in enumerate((0.3, 0.2)):  # targets 6 x 3/7 + 6 x 1/4 = 4.07 rows: a fractional carry
+        a.sample_offline(6, learner_version=step, ratio=ratio)
+    a.snapshot(str(tmp_path / "snap"))
+    b = LocalReplayBuffer(spec(offline_mix_ratio=0.5), seed=0)
+    b.restore(str(tmp_path / "snap"))
+    for step in range(2, 8):
+        da, db = (buf.sample_offline(5, learner_version=step, ratio=0.1) for buf in (a, b))
+        assert da.keys == db.keys
+
+
 def _with_ticket(meta, ticket):
     import msgspec
     return msgspec.structs.replace(meta, tags=msgspec.structs.replace(meta.tags, ticket=ticket))

@@ -45,8 +45,7 @@ def _learner(small_overrides, *extra):
 
 
 def _snapshot(learner: Learner):
-    return ({k: v.clone() for k, v in learner.get_weights().items()}, copy.deepcopy(learner.optimizer.state_dict()),
-            copy.deepcopy(learner.scheduler.state_dict()))
+    return ({k: v.clone() for k, v in learner.get_weights().items()}, copy.deepcopy(learner.optimizer.state_dict()))
 
 
 def _assert_same_tree(a, b, path="state"):

@@ -16,7 +16,7 @@ from omnirl_async.learners.preference_learner import PreferenceLearner
 from omnirl_async.preflight import InputError
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags
 from omnirl_async.trainer.ingest import check_offline_store
-from omnirl_async.trainer.offline_mix import learner_inputs, online_groups_per_update
+from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs, online_groups_per_update
 from tests.data.offline_fixtures import PROMPTS, model_store, synthetic_store
 
 RECIPES = {"dpo": ["actor_rollout_ref.model.algorithm=dpo"],
@@ -144,6 +144,12 @@ def test_dpo_trains_offline_pairs_as_given_and_splits_its_metrics(small_override
      ["`algorithm.offline_advantage`", "compares the two samples of a pair", "diffusion_nft, awm"]),
     (["actor_rollout_ref.model.algorithm=awm", "algorithm.offline_advantage=6", "buffer.offline_mix_ratio=0.5"],
      ["`algorithm.offline_advantage` = 6 exceeds", "adv_clip_max` = 5"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "buffer.offline_mix_ratio_final=0"],
+     ["`buffer.offline_mix_ratio_final` = 0 is refused while `buffer.offline_mix_ratio` = 0", "no offline share"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "algorithm.sample_source=offline", "buffer.offline_mix_ratio_final=0.1"],
+     ["`buffer.offline_mix_ratio_final` = 0.1 is refused with `algorithm.sample_source` = offline"]),
+    (["actor_rollout_ref.model.algorithm=dpo", "buffer.offline_mix_ratio=0.5", "buffer.offline_mix_ratio_final=1"],
+     ["`buffer.offline_mix_ratio_final`", "1"]),
 ])
 def test_config_refuses_what_offline_data_cannot_do(overrides, needles):
     with pytest.raises(ConfigError) as err:
@@ -167,6 +173,18 @@ def test_offline_pairs_take_the_place_of_online_groups(batch, ratio, groups):
     offline_only = load_config(["actor_rollout_ref.model.algorithm=dpo", f"data.train_batch_size={batch}",
                                 "actor_rollout_ref.actor.ppo_mini_batch_size=1", "algorithm.sample_source=offline"])
     assert online_groups_per_update(offline_only) == batch
+
+
+@pytest.mark.parametrize("final, expected", [(None, [0.5, 0.5, 0.5, 0.5]), (0.0, [0.5, 0.375, 0.25, 0.0]),
+                                             (0.1, [0.5, 0.4, 0.3, 0.1])])
+def test_a_tapered_share_follows_the_runs_progress_and_keeps_the_online_groups(final, expected):
+    extra = [] if final is None else [f"buffer.offline_mix_ratio_final={final}"]
+    cfg = load_config(["actor_rollout_ref.model.algorithm=dpo", "data.train_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=1", "buffer.offline_mix_ratio=0.5", *extra])
+    data = OfflineData(cfg, buffer=None, printer=lambda *a: None)
+    assert [data.ratio_at(p) for p in (0.0, 0.25, 0.5, 1.0)] == pytest.approx(expected)
+    assert data.ratio_at(1.7) == pytest.approx(expected[-1])  # clipped to the run
+    assert online_groups_per_update(cfg) == 2  # the groups of offline_mix_ratio, whatever the taper
 
 
 def test_a_run_on_offline_data_needs_a_filled_store_of_its_model(small_overrides, tiny, tmp_path):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from omnirl_async.buffer.offline_store import OfflineStore
@@ -74,6 +75,31 @@ def test_mixed_run_draws_the_ratio_and_splits_metrics(ray_cluster, small_overrid
     # staleness comes from the online rows alone (offline rows would read lag 0)
     assert max(s["training/off_policy/trajectory_staleness/max"]) <= (1 if mode == "separate_async" else 0)
     assert s["buffer/sampled"][-1] == 4 * 3  # online samples only: one group of 3 per update
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tapered_share_falls_with_the_run_and_keeps_the_online_groups(ray_cluster, small_overrides, tiny_policy,
+                                                                         tmp_path, mode):
+    cfg = load_config(_overrides(small_overrides, tmp_path, mode, "buffer.offline_mix_ratio=0.5",
+                                 "buffer.offline_mix_ratio_final=0", "trainer.total_training_steps=6",
+                                 "trainer.save_freq=-1"))
+    _store(tmp_path, cfg, tiny_policy)
+    printed: list[str] = []
+    assert TaskRunner(cfg, printer=printed.append).run()["global_step"] == 6
+    assert any("moving to `buffer.offline_mix_ratio_final` = 0 by the run's end" in line for line in printed), printed
+    s = _scalars(tmp_path / "tb")
+    ratios, drawn = s["training/offline_mix_ratio"], s["training/offline_samples"]
+    # the share of an update follows the run's progress when its batch is made (sync: at its step; separate_async
+    # may make it one update ahead): 0.5 at first, falling by 1/12 per update to 0.5/6 at the last
+    assert ratios[0] == 0.5 and all(b <= a for a, b in zip(ratios, ratios[1:])) and ratios[-1] <= 0.5 / 3, ratios
+    if mode == "sync":
+        assert ratios == pytest.approx([0.5 * (1 - k / 6) for k in range(6)])
+    # the offline rows drawn follow the running target of ratio/(1-ratio) x 3 online rows within one pair
+    target = np.cumsum([r / (1 - r) * 3 for r in ratios])
+    assert all(abs(d - t) <= 2 for d, t in zip(np.cumsum(drawn), target)), (drawn, ratios)
+    assert sum(drawn) < 6 * 3  # less than the untapered share (as many offline rows as online ones)
+    assert s["buffer/sampled"][-1] == 6 * 3  # the online groups per update stay those of offline_mix_ratio
 
 
 @pytest.mark.slow
