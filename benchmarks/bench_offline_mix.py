@@ -3,6 +3,7 @@
     python benchmarks/bench_offline_mix.py [--minutes 10] [--algo diffusion_nft] [--mode separate_async]
                                            [--ratios 0.25,0.5] [--pairs 256] [--pairs-from renders|model]
                                            [--model-samples 8] [--offline-advantage A] [--store DIR]
+                                           [--taper-to F] [--runs online,mix_0.5,...]
                                            [--num-prompts 256]
                                            [--images-per-prompt 4] [--eval-every 40] [--out bench_out/offline_mix]
     python benchmarks/bench_offline_mix.py --quick      # a < 1 minute smoke of the whole pipeline
@@ -22,7 +23,11 @@ the same direct-preference loss (``--algo``, settings of
 * ``online``: rollouts only (``buffer.offline_mix_ratio=0``);
 * ``offline``: the offline store alone (``algorithm.sample_source=offline``, no rollout workers);
 * ``mix_<r>``: rollouts plus offline pairs at ``buffer.offline_mix_ratio=r`` for each of ``--ratios`` (the pairs
-  take the place of ``round(r * data.train_batch_size)`` online groups of every update).
+  take the place of ``round(r * data.train_batch_size)`` online groups of every update); with ``--taper-to F``
+  the mixed runs are ``mix_<r>_to_<F>``: the offline share moves linearly from r to F over the run's minutes
+  (``buffer.offline_mix_ratio_final=F``).
+
+``--runs`` picks some of these by name (e.g. ``online,mix_0.5_to_0``).
 
 Each run checkpoints every ``--eval-every`` steps; the base model and every
 checkpoint are scored on the held-out prompts (GenEval protocol: ODE
@@ -56,12 +61,18 @@ QUICK_OVERRIDES = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "
                    "actor_rollout_ref.rollout.val_kwargs.pipeline.num_inference_steps=4"]
 
 
-def variants(ratios: list[float], offline_advantage: float | None = None) -> dict[str, list[str]]:
+def variants(ratios: list[float], offline_advantage: float | None = None,
+             taper_to: float | None = None) -> dict[str, list[str]]:
     """Each run's own overrides; ``offline_advantage`` goes to the runs that read offline pairs (the config refuses
-    it where no offline pair is trained)."""
+    it where no offline pair is trained), ``taper_to`` to the mixed runs."""
     strength = [] if offline_advantage is None else [f"algorithm.offline_advantage={offline_advantage:g}"]
     out = {"online": [], "offline": ["algorithm.sample_source=offline", *strength]}
-    out.update({f"mix_{r:g}": [f"buffer.offline_mix_ratio={r:g}", *strength] for r in ratios})
+    for r in ratios:
+        if taper_to is None:
+            out[f"mix_{r:g}"] = [f"buffer.offline_mix_ratio={r:g}", *strength]
+        else:
+            out[f"mix_{r:g}_to_{taper_to:g}"] = [f"buffer.offline_mix_ratio={r:g}",
+                                                 f"buffer.offline_mix_ratio_final={taper_to:g}", *strength]
     return out
 
 
@@ -148,6 +159,10 @@ def main(argv=None) -> int:
     ap.add_argument("--store", default=None, metavar="DIR",
                     help="an offline store an earlier run of this benchmark built (<out>/store/offline): reuse it "
                          "instead of building the preference dataset again")
+    ap.add_argument("--taper-to", type=float, default=None, metavar="F",
+                    help="the mixed runs taper their offline share from r to F over the run "
+                         "(buffer.offline_mix_ratio_final)")
+    ap.add_argument("--runs", default=None, help="comma list of run names to do (default: all)")
     ap.add_argument("--eval-every", type=int, default=40, help="checkpoint (and evaluate) every N updates")
     ap.add_argument("--num-prompts", type=int, default=256, help="held-out prompts")
     ap.add_argument("--images-per-prompt", type=int, default=4)
@@ -188,7 +203,14 @@ def main(argv=None) -> int:
     started = init_ray(cfg0)  # one Ray for every run (TaskRunner joins it)
     results = {}
     try:
-        for name, extra in variants(ratios, args.offline_advantage).items():
+        todo = variants(ratios, args.offline_advantage, args.taper_to)
+        if args.runs:
+            picked = [r for r in args.runs.split(",") if r]
+            unknown = [r for r in picked if r not in todo]
+            if unknown:
+                raise SystemExit(f"--runs: no run named {unknown}; the runs are {list(todo)}")
+            todo = {name: todo[name] for name in picked}
+        for name, extra in todo.items():
             results[name] = run_variant(name, extra, args, out, store, prompts, base)
             (out / "results.json").write_text(json.dumps(results, indent=2))
     finally:

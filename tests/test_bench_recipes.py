@@ -77,6 +77,10 @@ def test_offline_mix_variants_load_with_the_offline_strength_only_where_pairs_ar
         for name in ("offline", "mix_0.25", "mix_0.5"):
             assert got[name].algorithm.offline_advantage == strength, name
     assert got["mix_0.5"].buffer.offline_mix_ratio == 0.5 and got["offline"].algorithm.sample_source == "offline"
+    tapered = {name: load_config(base + extra) for name, extra in bench.variants([0.5], 1.0, taper_to=0.0).items()}
+    assert list(tapered) == ["online", "offline", "mix_0.5_to_0"]
+    assert tapered["mix_0.5_to_0"].buffer.offline_mix_ratio_final == 0.0
+    assert tapered["online"].buffer.offline_mix_ratio_final is None  # refused there: no offline share to taper
 
 
 @pytest.mark.slow

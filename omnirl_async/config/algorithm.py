@@ -38,6 +38,10 @@ def _no_offline_rows(algo: Any, root: Any) -> str | None:
     return "while `buffer.offline_mix_ratio` = 0 and `algorithm.sample_source` = online"
 
 
+def _sign_adv_mode(algo: Any, root: Any) -> str | None:
+    return f"with `algorithm.adv_mode` = {algo.adv_mode}" if algo.adv_mode in ("one_only", "binary") else None
+
+
 def _pairwise(algo: Any, root: Any) -> str | None:
     return "with `algorithm.paired_preference` = true (dpo)" if algo.paired_preference else None
 
@@ -123,5 +127,10 @@ class DiffusionAlgoConfig:
                          NoEffect("the pairwise loss (dpo) compares the two samples of a pair and gives them no "
                                   "advantage", when=_pairwise,
                                   when_doc="with `algorithm.paired_preference` = true (dpo)",
-                                  fix="leave it at {default}, or use a pointwise loss (diffusion_nft, awm)")))
+                                  fix="leave it at {default}, or use a pointwise loss (diffusion_nft, awm)"),
+                         NoEffect("`algorithm.adv_mode` maps every advantage, the offline ones too, to 1 / 0 / -1 "
+                                  "whatever its size", when=_sign_adv_mode,
+                                  when_doc="with `algorithm.adv_mode` = one_only or binary",
+                                  fix="leave it at {default}, or use adv_mode continuous, positive_only or "
+                                      "negative_only")))
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)

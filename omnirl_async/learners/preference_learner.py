@@ -68,6 +68,7 @@ import torch
 import torch.distributed as dist
 
 from omnirl_async.algos import decay_at, interleave, select_online_pairs
+from omnirl_async.algos.advantage import apply_adv_mode
 from omnirl_async.algos.losses.base import mean_dims
 from omnirl_async.buffer.offline_table import OFFLINE_FIELD
 from omnirl_async.learners.learner import Learner, _embeds_from_fields
@@ -139,7 +140,7 @@ class PreferenceLearner(Learner):
 
     def _prepare_mixed(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, Any]:
         """A batch with offline rows: online advantages from the online rows alone; offline A = +-``offline_advantage``
-        (null: +-adv_clip_max)."""
+        (null: +-adv_clip_max), mapped by ``adv_mode``."""
         batch = {k: torch.from_numpy(np.array(v)) for k, v in fields.items() if k != "images"}
         off = batch[OFFLINE_FIELD].bool()
         batch[OFFLINE_FIELD] = off
@@ -158,7 +159,9 @@ class PreferenceLearner(Learner):
                        "critic/advantages/max": float(a_np.max()), "critic/advantages/min": float(a_np.min())}
         c = self.algo_cfg.offline_advantage  # null: +-adv_clip_max, NFT's chosen r = 1, rejected r = 0
         c = float(self.actor_cfg.diffusion_loss.adv_clip_max if c is None else c)
-        adv[off] = torch.where(rewards[off] > 0.5, torch.tensor(c), torch.tensor(-c))
+        # and mapped by `algorithm.adv_mode` as online advantages are (positive_only: rejected rows train with 0)
+        adv[off] = apply_adv_mode(torch.where(rewards[off] > 0.5, torch.tensor(c), torch.tensor(-c)),
+                                  self.algo_cfg.adv_mode)
         batch["advantages"] = adv
         batch["_metrics"] = metrics
         batch["_group_ids"] = list(group_ids)  # the probe's pairs (pointwise losses keep the row order)

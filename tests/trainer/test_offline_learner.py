@@ -107,6 +107,23 @@ def test_offline_advantage_sets_the_strength_of_offline_pairs(small_overrides, t
     assert losses[None] != pytest.approx(losses[1.0])  # the same rows, the same seeds: only the strength differs
 
 
+@pytest.mark.parametrize("mode, chosen, rejected", [("positive_only", 1.0, 0.0), ("negative_only", 0.0, -1.0),
+                                                   ("one_only", None, 0.0), ("binary", None, -1.0)])
+def test_adv_mode_maps_offline_advantages_as_it_maps_online_ones(small_overrides, tiny, mode, chosen, rejected):
+    """adv_mode applies to offline rows too: positive_only leaves a rejected sample nothing to push away from;
+    one_only / binary give +-1 whatever the strength (so offline_advantage is refused with them)."""
+    _, online, offline = tiny
+    fields, gids = learner_inputs(online, offline)
+    strength = [] if chosen is None else ["algorithm.offline_advantage=1.0"]
+    learner = PreferenceLearner(_config(small_overrides, "diffusion_nft", "buffer.offline_mix_ratio=0.5",
+                                        f"algorithm.adv_mode={mode}", *strength))
+    b = learner.prepare_batch(fields, gids)
+    off = b[OFFLINE_FIELD]
+    assert b["advantages"][off].tolist() == [1.0 if chosen is None else chosen, rejected] * (len(offline) // 2)
+    online_adv = b["advantages"][~off]
+    assert torch.equal(online_adv, learner.prepare_batch(online.fields, gids[:len(online)])["advantages"])
+
+
 def test_dpo_trains_offline_pairs_as_given_and_splits_its_metrics(small_overrides, tiny):
     _, online, offline = tiny
     learner = PreferenceLearner(_config(small_overrides, "dpo"))
@@ -144,6 +161,9 @@ def test_dpo_trains_offline_pairs_as_given_and_splits_its_metrics(small_override
      ["`algorithm.offline_advantage`", "compares the two samples of a pair", "diffusion_nft, awm"]),
     (["actor_rollout_ref.model.algorithm=awm", "algorithm.offline_advantage=6", "buffer.offline_mix_ratio=0.5"],
      ["`algorithm.offline_advantage` = 6 exceeds", "adv_clip_max` = 5"]),
+    (["actor_rollout_ref.model.algorithm=diffusion_nft", "algorithm.offline_advantage=1.0", "buffer.offline_mix_ratio=0.5",
+      "algorithm.adv_mode=binary"], ["`algorithm.offline_advantage` = 1.0 is refused with `algorithm.adv_mode` = binary",
+                                     "continuous, positive_only or negative_only"]),
     (["actor_rollout_ref.model.algorithm=dpo", "buffer.offline_mix_ratio_final=0"],
      ["`buffer.offline_mix_ratio_final` = 0 is refused while `buffer.offline_mix_ratio` = 0", "no offline share"]),
     (["actor_rollout_ref.model.algorithm=dpo", "algorithm.sample_source=offline", "buffer.offline_mix_ratio_final=0.1"],

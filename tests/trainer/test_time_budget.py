@@ -21,6 +21,8 @@ def _lrs(log_dir: Path) -> list[tuple[int, float]]:
 
     acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     acc.Reload()
+    if "actor/lr" not in acc.Tags()["scalars"]:
+        return []
     return [(e.step, e.value) for e in acc.Scalars("actor/lr")]
 
 
@@ -68,5 +70,6 @@ def test_the_time_budget_is_the_cosine_horizon_and_counts_across_resumes(ray_clu
     assert more["global_step"] > first["global_step"]
     resumed = [v for _, v in _lrs(tmp_path / "tb" / "c")]
     expected_first = LR * 0.5 * (1 + math.cos(math.pi * spent / budget_s))
-    assert resumed[0] <= expected_first * 1.001 and resumed[0] < 0.3 * LR, (resumed, expected_first)
+    # about half the budget was spent: about half the rate (a fresh budget would start at the top)
+    assert resumed[0] <= expected_first * 1.001 and resumed[0] < 0.6 * LR, (resumed, expected_first)
     assert _trained_s(tmp_path) >= budget_s
