@@ -88,8 +88,8 @@ class OfflineData:
         self.run_dir = str(config.trainer.default_local_dir)
         self.only = config.algorithm.sample_source == "offline"
         self.ratio = float(config.buffer.offline_mix_ratio)
-        final = config.buffer.offline_mix_ratio_final
-        self.ratio_final = None if final is None or self.only or self.ratio <= 0 else float(final)
+        final = config.buffer.offline_mix_ratio_final  # refused at start-up without mixing
+        self.ratio_final = None if final is None else float(final)
         rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.rows_per_step = rows + rows % 2  # whole pairs
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)
@@ -132,8 +132,7 @@ class OfflineData:
             fields, group_ids = learner_inputs(online, SampledBatch(metas=[], fields={}))
             return fields, group_ids, {}
         ratio = self.ratio_at(progress)
-        offline = self.buffer.sample_offline(len(online), learner_version=version,
-                                             ratio=None if self.ratio_final is None else ratio)
+        offline = self.buffer.sample_offline(len(online), learner_version=version, ratio=ratio)
         fields, group_ids = learner_inputs(online, offline)
         return fields, group_ids, {"training/offline_samples": float(len(offline)),
                                    "training/offline_mix_ratio": ratio}
