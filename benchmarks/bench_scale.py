@@ -433,7 +433,9 @@ class SimLearner:
         self._rng = np.random.default_rng([spec.seed, 10_000 + rank])
         self._weights = {k: torch.from_numpy(v) for k, v in spec.weights(0).items()}
 
-    def update(self, fields: dict[str, np.ndarray], group_ids: list[str]) -> dict[str, float]:
+    def update(self, fields: dict[str, np.ndarray], group_ids: list[str],
+               run_progress: float | None = None) -> dict[str, float]:
+        """A simulated update (``run_progress``, the learning-rate schedule's input, changes nothing here)."""
         t0 = time.perf_counter()
         target = self.spec.real(self.spec.time.draw_update(self._rng))
         rows = len(group_ids)
