@@ -63,6 +63,46 @@ def base_overrides(algo: str) -> list[str]:
     return [o for o in RL_DEFAULTS if not (dp and o.split("=", 1)[0].startswith(PG_ONLY))]
 
 
+class CpuMeter:
+    """The machine's CPU use sampled every ``every_s`` in a thread; :meth:`busy` is the share of all cores' time
+    spent busy between two wall-clock times (None with fewer than two samples between them)."""
+
+    def __init__(self, every_s: float = 0.5) -> None:
+        import threading
+
+        self.every_s = every_s
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @staticmethod
+    def read() -> tuple[float, float]:
+        """(busy, total) CPU seconds of the whole machine so far; idle and iowait count as not busy."""
+        import psutil
+
+        t = psutil.cpu_times()
+        return sum(t) - t.idle - getattr(t, "iowait", 0.0), sum(t)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.time(), *self.read()))
+            self._stop.wait(self.every_s)
+
+    def __enter__(self) -> "CpuMeter":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def busy(self, t0: float, t1: float) -> float | None:
+        inside = [s for s in self.samples if t0 <= s[0] <= t1]
+        if len(inside) < 2 or inside[-1][2] == inside[0][2]:
+            return None
+        return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
+
+
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:
     return run_setting(algo, base_overrides(algo) + ALGOS[algo], args, out, prompts, base)
 
@@ -81,10 +121,12 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
         f"trainer.log_dir={run / 'tb'}", f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}",
         f"data.seed={args.seed}", *args.overrides])
     t0 = time.time()
-    summary = TaskRunner(cfg, printer=lambda *a: None).run()
+    with CpuMeter() as cpu:
+        summary = TaskRunner(cfg, printer=lambda *a: None).run()
     minutes = (time.time() - t0) / 60
     rewards = _scalars(run / "tb", "critic/rewards/mean")
     t_first = rewards[0][0] if rewards else t0
+    cpu_busy = cpu.busy(t_first, rewards[-1][0]) if rewards else None  # first to last step: training only
     step_minute = {s: (w - t_first) / 60 for w, s, _ in rewards}
     names, before = per_prompt_strict(base)
     curve, to_target = [(0.0, overall(names, before))], None
@@ -114,6 +156,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     return {"steps": summary["global_step"], "minutes": minutes, "before": overall(names, before),
             "after": overall(names, last), "images_per_prompt": images,
             "gain": gain, "ci": [lo, hi], "minutes_to_plus10": to_target, "curve": curve, "run_dir": str(run),
+            "cpu_busy": cpu_busy,
             "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
 
 

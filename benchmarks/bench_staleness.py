@@ -2,6 +2,7 @@
 
     python benchmarks/bench_staleness.py [--minutes 4] [--eval-every 15] [--thresholds 0,1,2,4]
                                          [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
+                                         [--target 10] [--table-from RESULTS_JSON]
                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/staleness]
 
 Trains the embedded shapes model with one recipe (``nft``: the demo's
@@ -19,13 +20,17 @@ FlowGRPO's GENEVAL_RECIPE) for ``--minutes`` of wall-clock per setting:
 Every setting checkpoints every ``--eval-every`` steps; each checkpoint is
 scored on the held-out prompts (GenEval protocol: ODE sampling, fixed seeds,
 strict = all clauses met, overall = mean over the categories). Printed per
-setting: steps, samples consumed, samples/s (``perf/throughput``), learner
+setting: steps, samples consumed, samples/s (``perf/throughput``), the
+machine's CPU busy share while it trained (first to last step:
+what is left for an overlap to use is 1 minus it), learner
 idle (``perf/learner_idle_frac``), ``rollout_corr/kl`` and ``rollout_corr/ess``
 (means over the run; "-" where the loss applies no rollout correction, e.g.
 DiffusionNFT), held-out accuracy before / after with a paired bootstrap 95 %
-interval on the gain, and **wall-clock minutes to +10 points** (first
-checkpoint at or above; interpolating would flatter coarse curves), with
-the speed-up over sync. Writes ``<out>/curves.png`` (accuracy vs minutes, one
+interval on the gain, and **wall-clock minutes to +10 points** (``--target``;
+first checkpoint at or above; interpolating would flatter coarse curves), with
+the speed-up over sync; ``--table-from <out>/results.json --target 5`` prints
+an earlier run's table for another target without training again. Writes
+``<out>/curves.png`` (accuracy vs minutes, one
 line per setting) and ``<out>/results.json``. On 2 shared cores expect a
 minute or two of noise in the time to +10: run it twice (``--seed``) before
 believing a ranking.
@@ -90,15 +95,22 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def table(results: dict, sync_key: str = "sync") -> list[str]:
-    lines = ["| setting | steps | samples/s | learner idle % | rollout_corr/kl | IS ESS | before | after | "
-             "gain (95 % CI) | min to +10 | vs sync |", "|" + "---|" * 11]
-    base = results.get(sync_key, {}).get("minutes_to_plus10")
+def minutes_to(curve: list, points: float) -> float | None:
+    """The first checkpoint's minute at or above the curve's start + ``points`` (None when never reached)."""
+    start = curve[0][1]
+    return next((m for m, v in curve[1:] if 100 * (v - start) >= points - 1e-9), None)
+
+
+def table(results: dict, sync_key: str = "sync", target: float = 10.0) -> list[str]:
+    lines = ["| setting | steps | samples/s | CPU busy % | learner idle % | rollout_corr/kl | IS ESS | before | after | "
+             f"gain (95 % CI) | min to +{target:g} | vs sync |", "|" + "---|" * 12]
+    base = minutes_to(results[sync_key]["curve"], target) if sync_key in results else None
     for label, r in results.items():
-        m, t = r["metrics"], r["minutes_to_plus10"]
+        m, t = r["metrics"], minutes_to(r["curve"], target)
         speed = f"{base / t:.2f}x" if (t and base) else ("-" if label == sync_key or t is None else "sync: never")
         lines.append(
             f"| {label} | {r['steps']} | {fmt(m['perf/throughput'], '.1f')} | "
+            f"{fmt(None if r.get('cpu_busy') is None else 100 * r['cpu_busy'], '.0f')} | "
             f"{fmt(None if m['perf/learner_idle_frac'] is None else 100 * m['perf/learner_idle_frac'], '.0f')} | "
             f"{fmt(m['rollout_corr/kl'], '.2g')} | {fmt(m['rollout_corr/ess'], '.2f')} | {100 * r['before']:.1f} % | "
             f"{100 * r['after']:.1f} % | {r['gain']:+.1f} ({r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}) | "
@@ -123,8 +135,14 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", type=_list(str, ["wait", "drop"]), default=["wait", "drop"])
     ap.add_argument("--no-auto", dest="auto", action="store_false", help="leave out max_off_policy_threshold: auto")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="nft")
+    ap.add_argument("--target", type=float, default=10.0, help="points over the base for the time-to column")
+    ap.add_argument("--table-from", metavar="RESULTS_JSON", default=None,
+                    help="print the table of an earlier run's results.json (e.g. with another --target) and exit")
     add_heldout_args(ap, "bench_out/staleness")
     args = ap.parse_args(argv)
+    if args.table_from:
+        print("\n".join(table(json.loads(Path(args.table_from).read_text()), target=args.target)))
+        return 0
     if any(k < 0 for k in args.thresholds):
         ap.error(f"--thresholds {args.thresholds}: integers >= 0")
     if args.auto and args.recipe not in AUTO_RECIPES:
@@ -143,7 +161,7 @@ def main(argv=None) -> int:
          title="held-out strict accuracy vs training wall-clock: sync and separate_async thresholds")
     print(f"\nrecipe {args.recipe}, {args.minutes:g} min per setting, held-out GenEval overall strict accuracy "
           f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed}); {time.time() - t0:.0f} s:")
-    print("\n".join(table(results)))
+    print("\n".join(table(results, target=args.target)))
     print(f"curves: {out / 'curves.png'}; command: python benchmarks/bench_staleness.py "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}")
     return 0

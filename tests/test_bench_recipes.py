@@ -1,6 +1,8 @@
 """The benchmarks' recipes are valid configurations (a typo there would only show after 20 minutes)."""
 
 import importlib.util
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -56,12 +58,37 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     auto = dict(bench.settings(args))["async auto"]
     assert str(load_config(auto).trainer.v1.sampler.max_off_policy_threshold) == "auto"
     results = {"sync": {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": 0.2, "after": 0.35,
-                        "gain": 15.0, "ci": [10.0, 20.0], "minutes_to_plus10": 3.0},
+                        "gain": 15.0, "ci": [10.0, 20.0], "curve": [(0.0, 0.2), (1.5, 0.25), (3.0, 0.31)]},
                "async t=1 wait": {"steps": 20, "metrics": {**dict.fromkeys(bench.METRICS), "perf/throughput": 9.5},
                                   "before": 0.2, "after": 0.4, "gain": 20.0, "ci": [15.0, 25.0],
-                                  "minutes_to_plus10": 2.0}}
+                                  "curve": [(0.0, 0.2), (1.0, 0.22), (2.0, 0.30)], "cpu_busy": 0.874}}
     rows = bench.table(results)
-    assert rows[2].endswith("| 3.0 | 1.00x |") and rows[3].endswith("| 2.0 | 1.50x |") and "| 9.5 |" in rows[3]
+    assert rows[2].endswith("| 3.0 | 1.00x |") and rows[3].endswith("| 2.0 | 1.50x |") and "| 9.5 | 87 |" in rows[3]
+    rows = bench.table(results, target=5)  # the same curves, another target: sync gets there first
+    assert "min to +5 |" in rows[0] and rows[2].endswith("| 1.5 | 1.00x |") and rows[3].endswith("| 2.0 | 0.75x |")
+    assert bench.minutes_to(results["sync"]["curve"], 12) is None
+    assert bench.table(results, target=12)[3].endswith("| not reached | - |")
+    assert rows[2].startswith("| sync | 10 | - | - |")  # no throughput logged, no CPU measured
+
+
+def test_cpu_meter_measures_the_busy_share_between_two_times():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_algorithms")
+    meter = bench.CpuMeter()
+    meter.samples = [(0.0, 0, 0), (1.0, 50, 100), (2.0, 150, 200), (3.0, 150, 300)]  # (time, busy, total)
+    assert meter.busy(0.0, 2.0) == 0.75 and meter.busy(1.0, 2.0) == 1.0 and meter.busy(2.0, 3.0) == 0.0
+    assert meter.busy(0.5, 1.5) is None  # one sample inside: no interval
+    busy, total = bench.CpuMeter.read()  # this machine's counters
+    assert 0 < busy < total
+    with bench.CpuMeter(every_s=0.01) as meter:
+        end = time.time() + 0.3
+        while time.time() < end:  # keep one core busy
+            pass
+    assert len(meter.samples) >= 5
+    share = meter.busy(meter.samples[0][0], meter.samples[-1][0])
+    assert share is not None and share > 0.3 / (os.cpu_count() or 1)  # at least our one spinning core, roughly
 
 
 def test_offline_mix_variants_load_with_the_offline_strength_only_where_pairs_are_read():
