@@ -23,7 +23,7 @@ strict = all clauses met, overall = mean over the categories). Printed per
 setting: steps, samples consumed, samples/s (``perf/throughput``), the
 machine's CPU busy share while it trained (first to last step:
 what is left for an overlap to use is 1 minus it), learner
-idle (``perf/learner_idle_frac``), ``rollout_corr/kl`` and ``rollout_corr/ess``
+idle (``perf/learner_idle_frac``, the whole run's share), ``rollout_corr/kl`` and ``rollout_corr/ess``
 (means over the run; "-" where the loss applies no rollout correction, e.g.
 DiffusionNFT), held-out accuracy before / after with a paired bootstrap 95 %
 interval on the gain, and **wall-clock minutes to +10 points** (``--target``;
@@ -82,12 +82,17 @@ def settings(args) -> list[tuple[str, list[str]]]:
     return out
 
 
+#: metrics the trainer logs as a running figure of the whole run so far: the run's value is the last one
+RUN_SO_FAR = ("perf/learner_idle_frac",)
+
+
 def run_metrics(run_dir: Path) -> dict[str, float | None]:
-    """Means over the run of :data:`METRICS` (None when never logged)."""
+    """:data:`METRICS` over the run (None when never logged): the mean of per-step figures, the last value of
+    :data:`RUN_SO_FAR` ones."""
     out = {}
     for tag in METRICS:
         vals = [v for _w, _s, v in _scalars(run_dir / "tb", tag)]
-        out[tag] = float(np.mean(vals)) if vals else None
+        out[tag] = None if not vals else float(vals[-1]) if tag in RUN_SO_FAR else float(np.mean(vals))
     return out
 
 

@@ -129,3 +129,22 @@ def test_offline_mix_quick_run_with_model_sample_pairs(tmp_path):
     assert set(results) == {"online", "offline", "mix_0.5"}
     assert results["online"]["offline_frac"] == 0.0 and results["offline"]["offline_frac"] == 1.0
     assert "pairs from model" in proc.stdout
+
+
+def test_staleness_run_metrics_take_the_last_value_of_whole_run_figures(tmp_path):
+    """perf/learner_idle_frac is the whole run's share so far (its last value is the run's); per-step figures are
+    averaged."""
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_staleness")
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    for step, (idle, rate) in enumerate([(0.5, 10.0), (0.3, 20.0), (0.25, 30.0)], start=1):
+        writer.add_scalar("perf/learner_idle_frac", idle, step)
+        writer.add_scalar("perf/throughput", rate, step)
+    writer.close()
+    got = bench.run_metrics(tmp_path)
+    assert got["perf/learner_idle_frac"] == pytest.approx(0.25) and got["perf/throughput"] == pytest.approx(20.0)
+    assert got["rollout_corr/kl"] is None and got["rollout_corr/ess"] is None  # never logged
