@@ -103,6 +103,12 @@ class CpuMeter:
         return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
+def minutes_to(curve: list, points: float) -> float | None:
+    """The first checkpoint's minute at or above the curve's start + ``points`` (None when never reached)."""
+    start = curve[0][1]
+    return next((m for m, v in curve[1:] if 100 * (v - start) >= points - 1e-9), None)
+
+
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:
     return run_setting(algo, base_overrides(algo) + ALGOS[algo], args, out, prompts, base)
 
@@ -129,7 +135,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     cpu_busy = cpu.busy(t_first, rewards[-1][0]) if rewards else None  # first to last step: training only
     step_minute = {s: (w - t_first) / 60 for w, s, _ in rewards}
     names, before = per_prompt_strict(base)
-    curve, to_target = [(0.0, overall(names, before))], None
+    curve = [(0.0, overall(names, before))]
     last, last_path = before, None
     for step, path in sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "ckpt").glob("global_step_*")):
         res = evaluate(cfg, path / "lora", prompts, args.seed)
@@ -137,8 +143,6 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
         assert p2 == names
         minute = step_minute.get(step, minutes)
         curve.append((minute, overall(names, acc)))
-        if to_target is None and 100 * (curve[-1][1] - curve[0][1]) >= 10:
-            to_target = minute
         last, last_path = acc, path
         print(f"  {label:<14} step {step:>5} {minute:5.1f} min  overall {curve[-1][1]:.3f}", flush=True)
     final_n = getattr(args, "final_images_per_prompt", None)
@@ -155,7 +159,8 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     gain, lo, hi = bootstrap_gain(names, before, last, seed=args.seed)
     return {"steps": summary["global_step"], "minutes": minutes, "before": overall(names, before),
             "after": overall(names, last), "images_per_prompt": images,
-            "gain": gain, "ci": [lo, hi], "minutes_to_plus10": to_target, "curve": curve, "run_dir": str(run),
+            "gain": gain, "ci": [lo, hi], "minutes_to_plus10": minutes_to(curve, 10), "curve": curve,
+            "run_dir": str(run),
             "cpu_busy": cpu_busy,
             "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
 

@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_algorithms import add_heldout_args, heldout_setup, plot, run_setting  # noqa: E402
+from bench_algorithms import add_heldout_args, heldout_setup, minutes_to, plot, run_setting  # noqa: E402
 from bench_geneval_rl import RL_DEFAULTS, _scalars  # noqa: E402
 
 from omnirl_async.demo import NFT_OVERRIDES, PG_ONLY  # noqa: E402
@@ -100,15 +100,9 @@ def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
 
 
-def minutes_to(curve: list, points: float) -> float | None:
-    """The first checkpoint's minute at or above the curve's start + ``points`` (None when never reached)."""
-    start = curve[0][1]
-    return next((m for m, v in curve[1:] if 100 * (v - start) >= points - 1e-9), None)
-
-
 def table(results: dict, sync_key: str = "sync", target: float = 10.0) -> list[str]:
-    lines = ["| setting | steps | samples/s | CPU busy % | learner idle % | rollout_corr/kl | IS ESS | before | after | "
-             f"gain (95 % CI) | min to +{target:g} | vs sync |", "|" + "---|" * 12]
+    lines = ["| setting | steps | samples/s | CPU busy % | learner idle % | rollout_corr/kl | IS ESS | before | "
+             f"after | gain (95 % CI) | min to +{target:g} | vs sync |", "|" + "---|" * 12]
     base = minutes_to(results[sync_key]["curve"], target) if sync_key in results else None
     for label, r in results.items():
         m, t = r["metrics"], minutes_to(r["curve"], target)
