@@ -11,7 +11,11 @@ the training order, and update ``u`` trains exactly the tickets
 trained at version ``floor(k / (P*B))``. A worker holding version ``v`` may
 start ticket ``k`` only if ``k < (T + v + 1) * P * B``: then every lag is
 within ``T`` by construction, however slow the worker. Under ``drop`` no
-ticket is refused and the buffer evicts what went stale.
+ticket is refused and the buffer evicts what went stale. When updates differ
+in size (a tapered offline share hands its rows back to online groups),
+``u*B`` becomes ``C(u)``, the prefix sum of the sizes
+(:mod:`omnirl_async.actors.ticket_layout`), and the same argument holds with
+``C((T + v + 1) * P)`` as the limit.
 
 A threshold that changes during the run (``max_off_policy_threshold: auto``)
 keeps the bound exact per sample: admission applies the value current when a
@@ -60,19 +64,32 @@ def last_trainable_version(policy_version: int | None, bound: int | None) -> int
     return None if policy_version is None or bound is None else policy_version + bound
 
 
-def ticket_limit(worker_version: int, *, threshold: int, updates_per_version: int, batch_groups: int) -> int:
+def _start(update: int, batch_groups: int | None, layout) -> int:
+    """The first ticket of ``update``: ``update * batch_groups``, or ``layout.start(update)`` for updates that
+    differ in size (:class:`~omnirl_async.actors.ticket_layout.TicketLayout`)."""
+    if layout is not None:
+        return layout.start(update)
+    if not batch_groups:
+        raise ValueError("the ticket rule needs `batch_groups` (groups per update) or a `layout`")
+    return update * batch_groups
+
+
+def ticket_limit(worker_version: int, *, threshold: int, updates_per_version: int, batch_groups: int | None = None,
+                 layout=None) -> int:
     """The first ticket a worker holding ``worker_version`` may NOT start (``wait`` strategy)."""
-    return (threshold + worker_version + 1) * updates_per_version * batch_groups
+    return _start((threshold + worker_version + 1) * updates_per_version, batch_groups, layout)
 
 
-def trained_version(ticket: int, *, updates_per_version: int, batch_groups: int) -> int:
+def trained_version(ticket: int, *, updates_per_version: int, batch_groups: int | None = None, layout=None) -> int:
     """The learner version at which ``ticket`` is trained."""
+    if layout is not None:
+        return layout.update_of(ticket) // updates_per_version
     return ticket // (updates_per_version * batch_groups)
 
 
-def update_tickets(update: int, *, batch_groups: int) -> range:
+def update_tickets(update: int, *, batch_groups: int | None = None, layout=None) -> range:
     """The tickets update ``update`` (0-based) trains."""
-    return range(update * batch_groups, (update + 1) * batch_groups)
+    return range(_start(update, batch_groups, layout), _start(update + 1, batch_groups, layout))
 
 
 def startup_batches(*, threshold: int, updates_per_version: int) -> int:

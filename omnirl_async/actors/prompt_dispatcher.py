@@ -173,12 +173,7 @@ class PromptDispatcher(LockedState):
                         break
                 i = self._order[self._cursor]
                 self._cursor += 1
-                step = global_step
-                if step is None:
-                    if not self.batch_groups:
-                        raise ValueError("`global_step` is None but the dispatcher has no batch_groups to "
-                                         "derive it from the ticket")
-                    step = self._next_ticket // self.batch_groups + 1
+                step = global_step if global_step is not None else self._step_of(self._next_ticket)
                 seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1
                 lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
                                     epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=step,
@@ -188,6 +183,25 @@ class PromptDispatcher(LockedState):
             self._outstanding[lease.lease_id] = (lease, worker_id)
             out.append(lease)
         return out
+
+    def _step_of(self, ticket: int, *, strict: bool = True) -> int:
+        """The learner step (1-based) that trains ``ticket``: from admission's ticket layout, else
+        ``ticket // batch_groups + 1``."""
+        if self.admission is not None:
+            return self.admission.update_of(ticket) + 1
+        if not self.batch_groups:
+            if not strict:
+                return ticket + 1
+            raise ValueError("`global_step` is None but the dispatcher has no batch_groups to derive it from the "
+                             "ticket")
+        return ticket // self.batch_groups + 1
+
+    def update_tickets(self, update: int) -> tuple[int, int]:
+        """``(start, stop)`` of the tickets update ``update`` (0-based) trains, from admission's layout (fixed
+        the first time it is asked for; see :mod:`omnirl_async.actors.ticket_layout`)."""
+        if self.admission is None:
+            raise ValueError("`update_tickets` needs an AdmissionController (separate_async)")
+        return self.admission.update_tickets(update)
 
     def _wake(self) -> None:
         """Under the lock: waiting leases look again."""
@@ -239,7 +253,7 @@ class PromptDispatcher(LockedState):
         control treats it like any new prompt.
         """
         with self._lock:
-            step = global_step if global_step is not None else self._next_ticket // (self.batch_groups or 1) + 1
+            step = global_step if global_step is not None else self._step_of(self._next_ticket, strict=False)
             seed = None if self.rollout_seed is None else int(self.rollout_seed) + step - 1 + 7919
             orig = next((x for x in self._untrained.values() if x.group_uid == group_uid), None)
             if orig is not None and orig.prompt == prompt:  # its own row, also when two rows share the prompt
@@ -281,10 +295,11 @@ class PromptDispatcher(LockedState):
         with self._lock:
             return self._next_ticket
 
-    def on_update(self, updates_done: int) -> None:
-        """The learner finished ``updates_done`` updates (admission capacity grows)."""
+    def on_update(self, updates_done: int, time_progress: float | None = None) -> None:
+        """The learner finished ``updates_done`` updates (admission capacity grows); ``time_progress``: the share
+        of ``trainer.total_time_minutes`` trained so far (sizes updates laid out from now on)."""
         if self.admission is not None:
-            self.admission.on_update(updates_done)
+            self.admission.on_update(updates_done, time_progress)
         with self._lock:
             self._updates_seen += 1
             self._wake()

@@ -45,6 +45,7 @@ import math
 import threading
 
 from omnirl_async import staleness as rule
+from omnirl_async.actors.ticket_layout import TicketLayout
 
 __all__ = ["AdmissionController", "LockedState"]
 
@@ -65,17 +66,20 @@ class LockedState:
 class AdmissionController(LockedState):
     """Lock-guarded ticket bookkeeping for the ``wait`` strategy (and plain counting for ``drop``)."""
 
-    def __init__(self, *, threshold: int, batch_groups: int, updates_per_version: int = 1,
-                 strategy: str = "wait", max_ahead_batches: int | None = None):
+    def __init__(self, *, threshold: int, batch_groups: int | None = None, updates_per_version: int = 1,
+                 strategy: str = "wait", max_ahead_batches: int | None = None, layout: TicketLayout | None = None):
         _check_threshold(threshold)
-        if batch_groups <= 0:
+        if layout is not None:
+            batch_groups = layout.groups
+        if batch_groups is None or batch_groups <= 0:
             raise ValueError(f"`batch_groups` = {batch_groups}: must be > 0 (data.train_batch_size).")
         if updates_per_version <= 0:
             raise ValueError(f"`parameter_sync_step` = {updates_per_version}: must be > 0.")
         if strategy not in ("wait", "drop"):
             raise ValueError(f"`max_off_policy_strategy` = {strategy!r}: choose wait or drop.")
         self.threshold = threshold
-        self.batch_groups = batch_groups
+        self.batch_groups = batch_groups  # of the first update (of every update with a fixed layout)
+        self.layout = layout if layout is not None else TicketLayout.fixed(batch_groups)
         self.updates_per_version = updates_per_version
         self.strategy = strategy
         self.max_ahead_batches = max_ahead_batches
@@ -88,9 +92,9 @@ class AdmissionController(LockedState):
         if self.strategy == "drop":
             if self.max_ahead_batches is None:
                 return math.inf
-            return (self.learner_updates + self.max_ahead_batches) * self.batch_groups
+            return self.layout.start(self.learner_updates + self.max_ahead_batches)
         return rule.ticket_limit(worker_version, threshold=self.threshold,
-                                 updates_per_version=self.updates_per_version, batch_groups=self.batch_groups)
+                                 updates_per_version=self.updates_per_version, layout=self.layout)
 
     def set_threshold(self, threshold: int) -> None:
         """Admit under ``threshold`` from the next lease on; leases already handed out keep their bound."""
@@ -109,22 +113,45 @@ class AdmissionController(LockedState):
 
     def trained_version(self, ticket: int) -> int:
         """The policy version at which the learner trains ``ticket``."""
-        return rule.trained_version(ticket, updates_per_version=self.updates_per_version,
-                                    batch_groups=self.batch_groups)
+        with self._lock:
+            return rule.trained_version(ticket, updates_per_version=self.updates_per_version, layout=self.layout)
+
+    def update_tickets(self, update: int) -> tuple[int, int]:
+        """``(start, stop)`` of the tickets update ``update`` trains (laid out now if it was not yet)."""
+        with self._lock:
+            tickets = rule.update_tickets(update, layout=self.layout)
+            return tickets.start, tickets.stop
+
+    def update_of(self, ticket: int) -> int:
+        """The update (0-based) that trains ``ticket``."""
+        with self._lock:
+            return self.layout.update_of(ticket)
 
     # ------------------------------------------------------------------ events
-    def on_update(self, updates_done: int) -> None:
-        """The learner finished ``updates_done`` updates in total."""
+    def on_update(self, updates_done: int, time_progress: float | None = None) -> None:
+        """The learner finished ``updates_done`` updates in total; ``time_progress``: the training time's share of
+        ``trainer.total_time_minutes`` (updates laid out from now on use it; see :class:`TicketLayout`)."""
         with self._lock:
             self.learner_updates = max(self.learner_updates, int(updates_done))
+            if time_progress is not None:
+                self.layout.set_time_progress(time_progress)
 
     def state_dict(self) -> dict:
-        """``learner_updates``, and the ``threshold`` of the moment (a resumed ``auto`` run starts from it)."""
-        return {"learner_updates": self.learner_updates, "threshold": self.threshold}
+        """``learner_updates``, the ``threshold`` of the moment (a resumed ``auto`` run starts from it), and the
+        update sizes laid out so far when they differ (``layout``)."""
+        with self._lock:
+            state = {"learner_updates": self.learner_updates, "threshold": self.threshold}
+            layout = self.layout.state_dict()
+            if layout:
+                state["layout"] = layout
+            return state
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the update count; the threshold stays the configured one (the trainer restores an ``auto`` one)."""
-        self.learner_updates = int(state["learner_updates"])
+        """Restore the update count and the layout; the threshold stays the configured one (the trainer restores
+        an ``auto`` one)."""
+        with self._lock:
+            self.learner_updates = int(state["learner_updates"])
+            self.layout.load_state_dict(state.get("layout", {}))
 
 
 def _check_threshold(threshold) -> None:

@@ -97,9 +97,9 @@ class BufferConfig:
         None, "The offline share at the end of the run: the share drawn for each update moves linearly from "
         "offline_mix_ratio at the start to this value at the end (the run's progress, as a cosine learning rate "
         "measures it: trainer.total_training_steps updates or trainer.total_time_minutes of training time, whichever "
-        "ends first). The online groups per update stay those of offline_mix_ratio, so with 0 the last updates train "
-        "their online groups alone. For pairs that help early and hold a stronger policy back later; null = "
-        "offline_mix_ratio throughout.", ge=0, lt=1,
+        "ends first). The rows the share frees go back to online groups (each update trains round((1 - share) x "
+        "data.train_batch_size) of them, at least one), so with 0 the last updates train whole online batches. For "
+        "pairs that help early and hold a stronger policy back later; null = offline_mix_ratio throughout.", ge=0, lt=1,
         no_effect=(NoEffect("no offline share is drawn to taper", when=_no_mixing,
                             when_doc="while `buffer.offline_mix_ratio` = 0 or `algorithm.sample_source` = offline",
                             fix="leave it at {default}, or mix offline pairs in (`buffer.offline_mix_ratio` > 0 with "

@@ -15,6 +15,8 @@ modes log the same metric keys with the same meaning.
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from tqdm.auto import tqdm
 
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.rollout_worker import RolloutWorker
+from omnirl_async.actors.ticket_layout import run_progress
 from omnirl_async.buffer import make_replay_buffer
 from omnirl_async.buffer.base import SampledBatch
 from omnirl_async.learners.learner_group import LearnerGroup
@@ -36,7 +39,7 @@ from omnirl_async.protocol import WeightsInfo
 from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
-from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs, online_groups_per_update
+from omnirl_async.trainer.offline_mix import OfflineData, group_schedule, learner_inputs
 from omnirl_async.trainer.run_dir import config_dict, wandb_resume_id, write_wandb_run_id
 from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
@@ -96,8 +99,12 @@ class BaseTrainer:
     def _setup(self, config, prompts: list[str], printer) -> None:
         aro = config.actor_rollout_ref
         self.n = aro.rollout.n
-        self.batch_prompts = online_groups_per_update(config)  # offline pairs take the place of some groups
+        # offline pairs take the place of some groups (the first update's; a tapered share changes them)
         self.prompts = prompts
+        self.group_schedule = group_schedule(config)
+        self.batch_prompts = self.group_schedule.at(0)
+        if not self.group_schedule.fixed:  # the run's length in updates sizes a tapered share's steps
+            self.group_schedule = dataclasses.replace(self.group_schedule, total_steps=self.total_steps())
         self.dispatcher = self.make_dispatcher(prompts)
         self.buffer = self.make_buffer()
         # offline preference pairs: mixed into each batch, or (sample_source=offline) trained alone, no rollouts
@@ -325,7 +332,7 @@ class BaseTrainer:
                     metrics.update(self.publish_weights())
                     timer.times["update_weights"] = metrics.pop("timing_s/update_weights")
                 else:
-                    self.dcall("on_update", self.global_step)
+                    self.dcall("on_update", self.global_step, self.time_progress())
                 self.after_update()
                 # ---- 3. save, validate, dump (an update started already is trained first: see update_in_flight)
                 done = ((cap is not None and self.global_step >= cap) or self.finished()
@@ -441,15 +448,23 @@ class BaseTrainer:
         now = time.monotonic() - self.loop_started if self.loop_started is not None else 0.0
         return self.trained_s_before + now
 
-    def schedule_progress(self) -> float:
-        """The fraction of the run done when the next update starts, for a cosine learning rate without
-        ``optim.total_training_steps``: updates after warm-up of :meth:`total_steps`, or training time of
-        ``trainer.total_time_minutes``, whichever is further along (the run ends at the first)."""
-        tcfg, warmup = self.config.trainer, int(self.config.actor_rollout_ref.actor.optim.lr_warmup_steps)
-        progress = (self.global_step - warmup) / max(1, self.total_steps() - warmup)
-        if tcfg.total_time_minutes:
-            progress = max(progress, self.trained_s() / (60.0 * tcfg.total_time_minutes))
-        return min(1.0, max(0.0, progress))
+    def schedule_progress(self, update: int | None = None) -> float:
+        """The fraction of the run done when update ``update`` (0-based; default: the next one) starts, for a
+        cosine learning rate without ``optim.total_training_steps`` and a tapered offline share: updates after
+        warm-up of :meth:`total_steps`, or training time of ``trainer.total_time_minutes`` so far, whichever is
+        further along (the run ends at the first)."""
+        return run_progress(self.global_step if update is None else update, warmup=int(self.config.actor_rollout_ref.actor.optim.lr_warmup_steps),
+                            total_steps=self.total_steps(), time_progress=self.time_progress())
+
+    def time_progress(self) -> float:
+        """Training time so far as a share of ``trainer.total_time_minutes`` (0 without a time budget)."""
+        minutes = self.config.trainer.total_time_minutes
+        return self.trained_s() / (60.0 * minutes) if minutes else 0.0
+
+    def online_groups(self, update: int) -> int:
+        """Online prompt groups update ``update`` (0-based) trains: ``data.train_batch_size``, less those an
+        offline share takes the place of (:func:`~omnirl_async.trainer.offline_mix.group_schedule`)."""
+        return self.group_schedule.at(update, self.time_progress())
 
     def update_in_flight(self) -> bool:
         """An update started ahead of its step (separate_async starts one as soon as the last one ends) is still
@@ -467,12 +482,13 @@ class BaseTrainer:
             return self.global_step >= self.total_steps()
         return self.run_finished()
 
-    def prepare_update(self, batch: SampledBatch, version: int) -> PreparedUpdate:
+    def prepare_update(self, batch: SampledBatch, version: int, update: int | None = None) -> PreparedUpdate:
         """What the learners train on for ``batch`` at policy ``version``: plus its offline share with
-        ``buffer.offline_mix_ratio`` > 0, staged in the object store (separate_async does this ahead)."""
+        ``buffer.offline_mix_ratio`` > 0 at the share of ``update`` (0-based; default: the next one), staged in
+        the object store (separate_async does this an update ahead)."""
         if len(batch) == 0:
             return PreparedUpdate(batch)
-        fields, group_ids, extra = self.offline.mix(batch, version, self.schedule_progress())
+        fields, group_ids, extra = self.offline.mix(batch, version, self.schedule_progress(update))
         return PreparedUpdate(batch, self.learners.stage(fields), group_ids, extra)
 
     def update_learner(self, batch) -> dict[str, float]:
@@ -562,14 +578,16 @@ class BaseTrainer:
         Batches run across epoch boundaries (the last prompts of an epoch share
         a batch with the first of the next), so a prompt count that the batch
         does not divide costs no prompt; only the very last batch of the run
-        may be smaller.
+        may be smaller. With a tapered offline share the updates differ in
+        size and the count is that of their mean (an estimate: the run ends
+        when its prompts are used up).
         """
         tcfg = self.config.trainer
-        if self.offline.only:
+        if self.config.algorithm.sample_source == "offline":
             return self.offline.total_steps(tcfg.total_training_steps, tcfg.total_epochs)
         if tcfg.total_training_steps:
             return int(tcfg.total_training_steps)
-        return int(np.ceil(len(self.prompts) * tcfg.total_epochs / self.batch_prompts))
+        return int(np.ceil(len(self.prompts) * tcfg.total_epochs / self.group_schedule.mean_groups()))
 
     def should_save(self, done: bool, step: int | None = None) -> bool:
         """Checkpoint after update ``step`` (default: the one just done)?"""

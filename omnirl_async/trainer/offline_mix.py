@@ -22,7 +22,11 @@ Then, in both trainer modes:
   offline row. With ``buffer.offline_mix_ratio_final`` the share drawn moves
   linearly from r at the run's start to that value at its end
   (:meth:`OfflineData.ratio_at`; the run's progress is the one a cosine
-  learning rate follows), while the online groups per update stay those of r;
+  learning rate follows), and the rows it frees go back to online groups:
+  update ``u`` trains ``round((1 - r(u)) * data.train_batch_size)`` of them
+  (:func:`group_schedule`; separate_async lays its tickets out by those sizes,
+  :mod:`omnirl_async.actors.ticket_layout`), so a share tapered to 0 ends on
+  whole online batches;
 * ``algorithm.sample_source=offline``: no rollout workers are started; every
   update trains ``data.train_batch_size * rollout.n`` offline rows (rounded up
   to whole pairs), and the run ends after ``trainer.total_training_steps``
@@ -42,22 +46,34 @@ from typing import Any
 
 import numpy as np
 
+from omnirl_async.actors.ticket_layout import GroupSchedule
 from omnirl_async.buffer.base import SampledBatch
 from omnirl_async.buffer.offline_table import OFFLINE_FIELD
 
-__all__ = ["OfflineData", "learner_inputs", "online_groups_per_update"]
+__all__ = ["OfflineData", "group_schedule", "learner_inputs", "online_groups_per_update"]
+
+
+def group_schedule(config, total_steps: int = 1) -> GroupSchedule:
+    """Online prompts (groups of ``rollout.n``) per learner update along the run: ``data.train_batch_size``, less
+    the groups the offline share r of ``buffer.offline_mix_ratio`` takes the place of
+    (``round((1 - r) * train_batch_size)``, at least one); with ``buffer.offline_mix_ratio_final`` r moves
+    linearly over the run's progress (``total_steps`` updates after the learning-rate warm-up, or the time
+    budget). The offline rows drawn with them make r of all rows trained
+    (:meth:`~omnirl_async.buffer.base.ReplayBuffer.sample_offline`)."""
+    groups = int(config.data.train_batch_size)
+    r, final = float(config.buffer.offline_mix_ratio), config.buffer.offline_mix_ratio_final
+    if config.algorithm.sample_source == "offline" or not 0.0 < r < 1.0:
+        r, final = 0.0, None
+    return GroupSchedule(groups=groups, share=r, share_final=None if final is None else float(final),
+                         warmup=int(config.actor_rollout_ref.actor.optim.lr_warmup_steps),
+                         total_steps=max(1, int(total_steps)))
 
 
 def online_groups_per_update(config) -> int:
-    """Online prompts (groups of ``rollout.n``) per learner update: ``data.train_batch_size``, less the groups the
-    offline share of ``buffer.offline_mix_ratio`` = r takes the place of (``round((1 - r) * train_batch_size)``,
-    at least one). The offline rows drawn with them make r of all rows trained
-    (:meth:`~omnirl_async.buffer.base.ReplayBuffer.sample_offline`)."""
-    groups = int(config.data.train_batch_size)
-    r = float(config.buffer.offline_mix_ratio)
-    if config.algorithm.sample_source == "offline" or not 0.0 < r < 1.0:
-        return groups
-    return max(1, int(math.floor((1.0 - r) * groups + 0.5)))
+    """Online groups of the first update (of every update, unless the offline share tapers): see
+    :func:`group_schedule`."""
+    schedule = group_schedule(config)
+    return schedule.groups_for(schedule.share)
 
 
 def learner_inputs(online: SampledBatch, offline: SampledBatch) -> tuple[dict[str, np.ndarray], list[str]]:
@@ -88,12 +104,10 @@ class OfflineData:
         self.run_dir = str(config.trainer.default_local_dir)
         self.only = config.algorithm.sample_source == "offline"
         self.ratio = float(config.buffer.offline_mix_ratio)
-        final = config.buffer.offline_mix_ratio_final  # refused at start-up without mixing
-        self.ratio_final = None if final is None else float(final)
+        self.schedule = group_schedule(config)  # refuses a final share without mixing at start-up (config)
         rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.rows_per_step = rows + rows % 2  # whole pairs
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)
-        self.online_groups = online_groups_per_update(config)
         self.n = int(config.actor_rollout_ref.rollout.n)
         self.pairs = 0
 
@@ -109,20 +123,21 @@ class OfflineData:
         self.pairs = int(info["pairs"])
         how = ("trains on them alone (`algorithm.sample_source` = offline)" if self.only else
                f"mixes them into each learner batch at `buffer.offline_mix_ratio` = {self.ratio:g}: "
-               f"{self.online_groups} online group(s) of {self.n} samples and "
-               f"~{self.ratio / (1 - self.ratio) * self.online_groups * self.n:.0f} offline rows per update"
-               + ("" if self.ratio_final is None else
-                  f", the share moving to `buffer.offline_mix_ratio_final` = {self.ratio_final:g} by the run's end "
-                  f"(~{self.ratio_final / (1 - self.ratio_final) * self.online_groups * self.n:.0f} rows per update)"))
+               + self._per_update(self.ratio)
+               + ("" if self.schedule.fixed else
+                  f", the share moving to `buffer.offline_mix_ratio_final` = {self.schedule.share_final:g} by the "
+                  f"run's end ({self._per_update(self.schedule.share_final)})"))
         self.printer(f"offline table: {self.pairs} preference pairs from {info['dir']} ({info['added']} added now); "
                      f"the run {how}")
 
+    def _per_update(self, share: float) -> str:
+        groups = self.schedule.groups_for(share)
+        return (f"{groups} online group(s) of {self.n} samples and ~{share / (1 - share) * groups * self.n:.0f} "
+                "offline rows per update")
+
     def ratio_at(self, progress: float) -> float:
         """The offline share of an update at ``progress`` (the fraction of the run done, in [0, 1])."""
-        if self.ratio_final is None:
-            return self.ratio
-        p = min(1.0, max(0.0, float(progress)))
-        return self.ratio + (self.ratio_final - self.ratio) * p
+        return self.schedule.share_at(progress)
 
     def mix(self, online: SampledBatch, version: int,
             progress: float = 0.0) -> tuple[dict[str, np.ndarray], list[str], dict[str, float]]:

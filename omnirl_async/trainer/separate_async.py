@@ -56,6 +56,7 @@ import numpy as np
 from omnirl_async import staleness as rule
 from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
 from omnirl_async.actors.staleness import AdmissionController
+from omnirl_async.actors.ticket_layout import TicketLayout
 from omnirl_async.buffer import SampledBatch, make_replay_buffer
 from omnirl_async.buffer.base import concat_batches
 from omnirl_async.config.trainer import AUTO
@@ -99,6 +100,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.strategy = v1.sampler.max_off_policy_strategy
         self.worker_slowdowns = worker_slowdowns
         self.store = ray.remote(num_cpus=0)(WeightStore).remote(keep=2)
+        self._ticket_ranges: dict[int, range] = {}  # update -> its tickets, as the dispatcher laid them out
         super().__init__(config, prompts, printer=printer)
         self.run_refs: dict[int, object] = {}
         self.worker_ids: dict[int, str] = {}
@@ -122,7 +124,10 @@ class SeparateAsyncTrainer(BaseTrainer):
     def make_dispatcher(self, prompts):
         import ray
 
-        admission = AdmissionController(threshold=self.threshold, batch_groups=self.batch_prompts,
+        # the tickets of each update: group_schedule's sizes (they change when a tapered offline share hands its
+        # rows back to online groups), laid out by admission as it admits
+        layout = TicketLayout(self.group_schedule)
+        admission = AdmissionController(threshold=self.threshold, layout=layout,
                                         updates_per_version=self.updates_per_version(), strategy=self.strategy)
         # a thread per rollout loop: a refused lease waits in the dispatcher (RolloutWorker.run_loop's
         # lease_wait_s), and the trainer's own calls must still get through
@@ -155,7 +160,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             info = pending.result()
         else:
             info = self.learners.publish(self.store, self.version)
-        self.dcall("on_update", self.global_step)
+        self.dcall("on_update", self.global_step, self.time_progress())
         return {"timing_s/update_weights": time.perf_counter() - t0,
                 "perf/weight_sync_bytes": float(info.num_bytes)}
 
@@ -265,7 +270,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             sep = self.config.trainer.v1.separate_async
             first = step == 0 and sep.num_warmup_batches > 1
             cap = rule.startup_batches(threshold=self.threshold, updates_per_version=self.sync_step)
-            target = (step + min(sep.num_warmup_batches if first else 1, cap)) * self.batch_prompts
+            target = self.update_tickets(step + min(sep.num_warmup_batches if first else 1, cap)).start
             if ahead:
                 if self.dcall("tickets_done") < target:
                     return None
@@ -273,7 +278,7 @@ class SeparateAsyncTrainer(BaseTrainer):
                 self._wait_until(lambda: self.dcall("tickets_done") >= target or self.prompts_finished(),
                                  f"the prompt groups of tickets below {target}", timer,
                                  on_poll=None if self.land_every_s is None else lambda: self.take_landed(step))
-            tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
+            tickets = self.update_tickets(step)
             with timer("sample_ahead" if ahead else "sample"):
                 batch = self.buffer.sample_tickets(tickets.stop, learner_version=version)
                 if self._landed:  # with the groups taken as they landed, in ticket order as one call gives them
@@ -284,7 +289,7 @@ class SeparateAsyncTrainer(BaseTrainer):
             if len(batch) == 0 and self.prompts_finished() and self.dcall("tickets_issued") <= tickets.start:
                 return None
         else:
-            want = self.batch_prompts * self.n
+            want = len(self.update_tickets(step)) * self.n
             sep = self.config.trainer.v1.separate_async
             first = want * max(1, sep.num_warmup_batches) if step == 0 else want  # warm-up: queue more first
             if ahead:
@@ -323,19 +328,30 @@ class SeparateAsyncTrainer(BaseTrainer):
             if pending.wait(self.poll_s):
                 return None
         with timer("sample_ahead"):
-            return self.prepare_update(batch, self.version_at(self.global_step + 1))
+            return self.prepare_update(batch, self.version_at(self.global_step + 1), self.global_step + 1)
 
     def take_landed(self, step: int) -> None:
         """``wait``: take the groups of update ``step`` that are done already (never blocks); :meth:`next_batch`
         adds them to the rest. Their payloads are fetched now, while the update before runs or the last groups are
         still being generated, rather than all at once after the last group lands (a long-tailed reward makes the
         last group late). A checkpoint taken meanwhile lists their tickets as held (:meth:`dispatcher_state`)."""
-        tickets = rule.update_tickets(step, batch_groups=self.batch_prompts)
+        tickets = self.update_tickets(step)
         part = self.buffer.sample_tickets(tickets.stop, learner_version=self.version_at(step))
         if len(part):
             self._landed.append(part)
             self.landed_groups += len(part.group_slices())
             self.consumed_groups.update(m.tags.group_uid for m in part.metas)
+
+    def update_tickets(self, update: int) -> range:
+        """The tickets update ``update`` (0-based) trains: admission's layout (fixed sizes: computed here; sizes
+        that change along the run: asked of the dispatcher once per update, which lays them out)."""
+        if self.group_schedule.fixed:
+            return rule.update_tickets(update, batch_groups=self.batch_prompts)
+        if update not in self._ticket_ranges:
+            self._ticket_ranges[update] = range(*self.dcall("update_tickets", update))
+            for old in [u for u in self._ticket_ranges if u < update - 8]:  # the loop only looks a few ahead
+                del self._ticket_ranges[old]
+        return self._ticket_ranges[update]
 
     def version_at(self, step: int) -> int:
         """The policy version update ``step`` trains at (this one, or the next: publication follows its update)."""
@@ -353,7 +369,7 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def trained_below(self) -> int:
         """Every ticket below this one has had its update (``wait``)."""
-        return rule.update_tickets(self.global_step - 1, batch_groups=self.batch_prompts).stop
+        return self.update_tickets(self.global_step).start
 
     def run_finished(self) -> bool:
         """Every admitted group has been trained (or failed) and no prompt is left."""

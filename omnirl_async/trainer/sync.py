@@ -37,7 +37,7 @@ class SyncTrainer(BaseTrainer):
         Groups the buffer evicted because a member failed (``drop_incomplete_groups``)
         are generated again within the same step, up to the configured rounds.
         """
-        leases = self.dispatcher.lease(self.batch_prompts, global_step=self.global_step + 1)
+        leases = self.dispatcher.lease(self.online_groups(self.global_step), global_step=self.global_step + 1)
         if not leases:
             return None
         gen = self._generate_leases(leases, timer)

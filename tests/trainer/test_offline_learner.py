@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -16,7 +18,7 @@ from omnirl_async.learners.preference_learner import PreferenceLearner
 from omnirl_async.preflight import InputError
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags
 from omnirl_async.trainer.ingest import check_offline_store
-from omnirl_async.trainer.offline_mix import OfflineData, learner_inputs, online_groups_per_update
+from omnirl_async.trainer.offline_mix import OfflineData, group_schedule, learner_inputs, online_groups_per_update
 from tests.data.offline_fixtures import PROMPTS, model_store, synthetic_store
 
 RECIPES = {"dpo": ["actor_rollout_ref.model.algorithm=dpo"],
@@ -197,14 +199,21 @@ def test_offline_pairs_take_the_place_of_online_groups(batch, ratio, groups):
 
 @pytest.mark.parametrize("final, expected", [(None, [0.5, 0.5, 0.5, 0.5]), (0.0, [0.5, 0.375, 0.25, 0.0]),
                                              (0.1, [0.5, 0.4, 0.3, 0.1])])
-def test_a_tapered_share_follows_the_runs_progress_and_keeps_the_online_groups(final, expected):
+def test_a_tapered_share_follows_the_runs_progress_and_hands_its_rows_back(final, expected):
     extra = [] if final is None else [f"buffer.offline_mix_ratio_final={final}"]
     cfg = load_config(["actor_rollout_ref.model.algorithm=dpo", "data.train_batch_size=4",
                        "actor_rollout_ref.actor.ppo_mini_batch_size=1", "buffer.offline_mix_ratio=0.5", *extra])
     data = OfflineData(cfg, buffer=None, printer=lambda *a: None)
     assert [data.ratio_at(p) for p in (0.0, 0.25, 0.5, 1.0)] == pytest.approx(expected)
     assert data.ratio_at(1.7) == pytest.approx(expected[-1])  # clipped to the run
-    assert online_groups_per_update(cfg) == 2  # the groups of offline_mix_ratio, whatever the taper
+    assert online_groups_per_update(cfg) == 2  # the first update's: those of offline_mix_ratio
+    schedule = group_schedule(cfg, total_steps=4)
+    assert schedule.fixed == (final is None)
+    # update u trains round((1 - r) x 4) online groups, r at the progress u/4: the freed rows go back online
+    want = [max(1, math.floor((1 - r) * 4 + 0.5)) for r in (data.ratio_at(u / 4) for u in range(4))]
+    assert [schedule.at(u) for u in range(4)] == want
+    if final == 0.0:
+        assert want == [2, 3, 3, 4]
 
 
 def test_a_run_on_offline_data_needs_a_filled_store_of_its_model(small_overrides, tiny, tmp_path):

@@ -79,27 +79,53 @@ def test_mixed_run_draws_the_ratio_and_splits_metrics(ray_cluster, small_overrid
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
-def test_a_tapered_share_falls_with_the_run_and_keeps_the_online_groups(ray_cluster, small_overrides, tiny_policy,
-                                                                         tmp_path, mode):
+def test_a_tapered_share_falls_with_the_run_and_hands_its_rows_back_to_online_groups(ray_cluster, small_overrides,
+                                                                                    tiny_policy, tmp_path, mode):
     cfg = load_config(_overrides(small_overrides, tmp_path, mode, "buffer.offline_mix_ratio=0.5",
                                  "buffer.offline_mix_ratio_final=0", "trainer.total_training_steps=6",
                                  "trainer.save_freq=-1"))
     _store(tmp_path, cfg, tiny_policy)
     printed: list[str] = []
     assert TaskRunner(cfg, printer=printed.append).run()["global_step"] == 6
-    assert any("moving to `buffer.offline_mix_ratio_final` = 0 by the run's end" in line for line in printed), printed
+    assert any("moving to `buffer.offline_mix_ratio_final` = 0 by the run's end (2 online group(s) of 3 samples "
+               "and ~0 offline rows per update)" in line for line in printed), printed
     s = _scalars(tmp_path / "tb")
     ratios, drawn = s["training/offline_mix_ratio"], s["training/offline_samples"]
-    # the share of an update follows the run's progress when its batch is made (sync: at its step; separate_async
-    # may make it one update ahead): 0.5 at first, falling by 1/12 per update to 0.5/6 at the last
-    assert ratios[0] == 0.5 and all(b <= a for a, b in zip(ratios, ratios[1:])) and ratios[-1] <= 0.5 / 3, ratios
-    if mode == "sync":
-        assert ratios == pytest.approx([0.5 * (1 - k / 6) for k in range(6)])
-    # the offline rows drawn follow the running target of ratio/(1-ratio) x 3 online rows within one pair
-    target = np.cumsum([r / (1 - r) * 3 for r in ratios])
+    # the share of an update follows the run's progress at that update (separate_async makes its batch an update
+    # ahead, at the share of the update it is for): 0.5 at first, falling by 1/12 per update to 0.5/6 at the last
+    assert ratios == pytest.approx([0.5 * (1 - k / 6) for k in range(6)])
+    # the online groups of update u: round((1 - r(u)) x 2) with r(u) = 0.5 (1 - u/6) -> 1, 1, 1, 2, 2, 2 (the
+    # freed rows go back to online groups), in both modes: separate_async lays its tickets out by these sizes
+    online = s["perf/total_num_samples"]  # the step's online samples trained
+    assert online == [3, 3, 3, 6, 6, 6], online
+    assert s["buffer/sampled"][-1] == 27
+    # the offline rows drawn follow the running target of ratio/(1-ratio) x the online rows within one pair
+    target = np.cumsum([r / (1 - r) * o for r, o in zip(ratios, online)])
     assert all(abs(d - t) <= 2 for d, t in zip(np.cumsum(drawn), target)), (drawn, ratios)
     assert sum(drawn) < 6 * 3  # less than the untapered share (as many offline rows as online ones)
-    assert s["buffer/sampled"][-1] == 6 * 3  # the online groups per update stay those of offline_mix_ratio
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tapered_run_resumes_with_the_update_sizes_it_laid_out(ray_cluster, small_overrides, tiny_policy, tmp_path,
+                                                                 mode):
+    from omnirl_async.trainer.checkpoint import load_state
+
+    taper = ["buffer.offline_mix_ratio=0.5", "buffer.offline_mix_ratio_final=0"]
+    cfg = load_config(_overrides(small_overrides, tmp_path, mode, *taper, "trainer.total_training_steps=3",
+                                 "trainer.save_freq=3"))
+    _store(tmp_path, cfg, tiny_policy)
+    assert TaskRunner(cfg, printer=lambda line: None).run()["global_step"] == 3
+    assert _scalars(tmp_path / "tb")["perf/total_num_samples"] == [3, 3, 6]  # r = 0.5, 1/3, 1/6: 1, 1, 2 groups
+    state = load_state(tmp_path / "run" / "global_step_3", "trainer")
+    if mode == "separate_async":  # the sizes admission laid out (ahead of training) travel with the checkpoint
+        assert state["dispatcher"]["admission"]["layout"]["sizes"][:3] == [1, 1, 2]
+    resumed = load_config(_overrides(small_overrides, tmp_path, mode, *taper, "trainer.total_training_steps=6",
+                                     "trainer.save_freq=6", "trainer.resume_mode=auto",
+                                     f"trainer.log_dir={tmp_path / 'tb2'}"))
+    assert TaskRunner(resumed, printer=lambda line: None).run()["global_step"] == 6
+    # updates 4-6 of a 6-update taper: r = 0.25, 1/6, 1/12 -> 2 online groups of 3 each
+    assert _scalars(tmp_path / "tb2")["perf/total_num_samples"] == [6, 6, 6]
 
 
 @pytest.mark.slow
