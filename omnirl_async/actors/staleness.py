@@ -17,6 +17,12 @@ slow the worker is, so the ``wait`` strategy never has to drop anything. A
 ticket whose lease is released (worker died) keeps its number and is handed
 again only to a worker whose version satisfies (1) for it.
 
+When updates differ in size (a tapered offline share hands the rows it frees
+back to online groups), ``u*B`` is replaced by ``C(u)``, the first ticket of
+update ``u`` in a :class:`~omnirl_async.actors.ticket_layout.TicketLayout`, and
+(1) reads ``k < C((threshold + v + 1) * P)``: same argument, as ``C`` grows
+by at least one ticket per update.
+
 Why tickets and not "count the samples in flight" (AReaL's capacity formula,
 which (1) is in prompt units)? Counting alone bounds the volume, but when a
 slow worker's group finishes after younger groups, FIFO-by-completion would
