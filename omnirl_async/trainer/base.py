@@ -453,7 +453,8 @@ class BaseTrainer:
         cosine learning rate without ``optim.total_training_steps`` and a tapered offline share: updates after
         warm-up of :meth:`total_steps`, or training time of ``trainer.total_time_minutes`` so far, whichever is
         further along (the run ends at the first)."""
-        return run_progress(self.global_step if update is None else update, warmup=int(self.config.actor_rollout_ref.actor.optim.lr_warmup_steps),
+        warmup = int(self.config.actor_rollout_ref.actor.optim.lr_warmup_steps)
+        return run_progress(self.global_step if update is None else update, warmup=warmup,
                             total_steps=self.total_steps(), time_progress=self.time_progress())
 
     def time_progress(self) -> float:

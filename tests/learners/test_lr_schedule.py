@@ -51,6 +51,7 @@ def _progress(total_steps, step, minutes=None, trained_s=0.0, warmup=0):
                           actor_rollout_ref=SimpleNamespace(actor=SimpleNamespace(
                               optim=SimpleNamespace(lr_warmup_steps=warmup))))
     me = SimpleNamespace(config=cfg, global_step=step, total_steps=lambda: total_steps, trained_s=lambda: trained_s)
+    me.time_progress = lambda: BaseTrainer.time_progress(me)
     return BaseTrainer.schedule_progress(me)
 
 
