@@ -10,7 +10,7 @@ online groups, so ``B`` changes along the run:
     B(u) = max(1, round((1 - r(p(u))) * data.train_batch_size))
 
 with ``r`` the share at progress ``p`` (linear from the start value to the
-final one) and ``p(u)`` the run's progress at update ``u``: updates after the
+final one, reached at ``buffer.offline_mix_taper_end``) and ``p(u)`` the run's progress at update ``u``: updates after the
 learning-rate warm-up over the run's updates, or the training time of
 ``trainer.total_time_minutes`` so far, whichever is further along (the
 progress a cosine learning rate follows).
@@ -49,14 +49,16 @@ class GroupSchedule:
 
     ``groups``: ``data.train_batch_size``; ``share`` / ``share_final``: the
     offline share at the start and the end (``share_final`` None: no taper);
-    ``warmup``: learning-rate warm-up updates; ``total_steps``: the run's
-    updates as the trainer counts them for its progress."""
+    ``taper_end``: the progress at which the share reaches ``share_final``
+    (and stays); ``warmup``: learning-rate warm-up updates; ``total_steps``:
+    the run's updates as the trainer counts them for its progress."""
 
     groups: int
     share: float = 0.0
     share_final: float | None = None
     warmup: int = 0
     total_steps: int = 1
+    taper_end: float = 1.0
 
     def __post_init__(self):
         if self.groups <= 0:
@@ -64,6 +66,8 @@ class GroupSchedule:
         for name, value in (("offline_mix_ratio", self.share), ("offline_mix_ratio_final", self.share_final)):
             if value is not None and not 0.0 <= value < 1.0:
                 raise ValueError(f"`buffer.{name}` = {value!r}: must be in [0, 1) for online groups to remain")
+        if not 0.0 < self.taper_end <= 1.0:
+            raise ValueError(f"`buffer.offline_mix_taper_end` = {self.taper_end!r}: must be in (0, 1]")
 
     @property
     def fixed(self) -> bool:
@@ -75,10 +79,11 @@ class GroupSchedule:
         return run_progress(update, warmup=self.warmup, total_steps=self.total_steps, time_progress=time_progress)
 
     def share_at(self, progress: float) -> float:
-        """The offline share at ``progress`` (linear from ``share`` to ``share_final``)."""
+        """The offline share at ``progress``: linear from ``share`` to ``share_final`` until ``taper_end``, then
+        ``share_final``."""
         if self.share_final is None:
             return self.share
-        p = min(1.0, max(0.0, float(progress)))
+        p = min(1.0, max(0.0, float(progress) / self.taper_end))
         return self.share + (self.share_final - self.share) * p
 
     def groups_for(self, share: float) -> int:
@@ -95,7 +100,8 @@ class GroupSchedule:
         """Online groups per update averaged over the run (a linear taper: the share's mean)."""
         if self.fixed:
             return float(self.groups_for(self.share))
-        return (self.groups_for(self.share) + self.groups_for(self.share_final)) / 2.0
+        tapering = (self.groups_for(self.share) + self.groups_for(self.share_final)) / 2.0
+        return self.taper_end * tapering + (1.0 - self.taper_end) * self.groups_for(self.share_final)
 
 
 class TicketLayout:

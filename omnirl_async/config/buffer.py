@@ -56,6 +56,13 @@ def _no_mixing(section, root) -> str | None:
     return "while `buffer.offline_mix_ratio` = 0" if not section.offline_mix_ratio > 0 else None
 
 
+def _no_taper(section, root) -> str | None:
+    no_mixing = _no_mixing(section, root)
+    if no_mixing is not None:
+        return no_mixing
+    return "while `buffer.offline_mix_ratio_final` is null" if section.offline_mix_ratio_final is None else None
+
+
 _WAIT_LIMITER = wait_no_effect("a rate limiter cannot hold a batch back (admission control already paces the "
                                "rollout)", fix="set it to null, or use the drop strategy")
 
@@ -104,6 +111,13 @@ class BufferConfig:
                             when_doc="while `buffer.offline_mix_ratio` = 0 or `algorithm.sample_source` = offline",
                             fix="leave it at {default}, or mix offline pairs in (`buffer.offline_mix_ratio` > 0 with "
                                 "`algorithm.sample_source=online`)"),))
+    offline_mix_taper_end: float = opt(
+        1.0, "The run's progress (0-1, as for offline_mix_ratio_final) at which the tapered share reaches "
+        "offline_mix_ratio_final and stays there: 0.25 tapers over the first quarter of the run (offline pairs as a "
+        "warm start, then the final share to the end); 1 = over the whole run.", gt=0, le=1,
+        no_effect=(NoEffect("the offline share does not taper", when=_no_taper,
+                            when_doc="while `buffer.offline_mix_ratio_final` is null (or there is no mixing)",
+                            fix="leave it at {default}, or set `buffer.offline_mix_ratio_final`"),))
     snapshot_with_checkpoint: bool = opt(True, "Save the buffer with every checkpoint.")
 
 

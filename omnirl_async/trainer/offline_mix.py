@@ -66,7 +66,8 @@ def group_schedule(config, total_steps: int = 1) -> GroupSchedule:
         r, final = 0.0, None
     return GroupSchedule(groups=groups, share=r, share_final=None if final is None else float(final),
                          warmup=int(config.actor_rollout_ref.actor.optim.lr_warmup_steps),
-                         total_steps=max(1, int(total_steps)))
+                         total_steps=max(1, int(total_steps)),
+                         taper_end=float(config.buffer.offline_mix_taper_end) if final is not None else 1.0)
 
 
 def online_groups_per_update(config) -> int:
@@ -125,8 +126,10 @@ class OfflineData:
                f"mixes them into each learner batch at `buffer.offline_mix_ratio` = {self.ratio:g}: "
                + self._per_update(self.ratio)
                + ("" if self.schedule.fixed else
-                  f", the share moving to `buffer.offline_mix_ratio_final` = {self.schedule.share_final:g} by the "
-                  f"run's end ({self._per_update(self.schedule.share_final)})"))
+                  f", the share moving to `buffer.offline_mix_ratio_final` = {self.schedule.share_final:g} by "
+                  + ("the run's end" if self.schedule.taper_end == 1.0 else
+                     f"{self.schedule.taper_end:.0%} of the run (`buffer.offline_mix_taper_end`)")
+                  + f" ({self._per_update(self.schedule.share_final)})"))
         self.printer(f"offline table: {self.pairs} preference pairs from {info['dir']} ({info['added']} added now); "
                      f"the run {how}")
 

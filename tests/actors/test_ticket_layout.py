@@ -117,3 +117,16 @@ def test_every_admitted_ticket_keeps_the_bound_when_updates_differ_in_size(thres
         else:
             d.complete([x.lease_id for x in leases])
     assert d.tickets_done() <= d.tickets_issued()
+
+
+def test_a_taper_that_ends_early_holds_the_final_share_after_it():
+    whole = GroupSchedule(groups=4, share=0.5, share_final=0.0, total_steps=8)
+    early = GroupSchedule(groups=4, share=0.5, share_final=0.0, total_steps=8, taper_end=0.25)
+    assert [early.share_at(p) for p in (0.0, 0.125, 0.25, 0.6, 1.0)] == [0.5, 0.25, 0.0, 0.0, 0.0]
+    assert [whole.at(u) for u in range(8)] == [2, 2, 3, 3, 3, 3, 4, 4]
+    assert [early.at(u) for u in range(8)] == [2, 3, 4, 4, 4, 4, 4, 4]
+    assert TicketLayout(early).start(8) == sum(early.at(u) for u in range(8))
+    # the mean over the run: half-way groups for the taper's quarter, whole batches for the rest
+    assert early.mean_groups() == pytest.approx(0.25 * 3 + 0.75 * 4)
+    with pytest.raises(ValueError, match="offline_mix_taper_end"):
+        GroupSchedule(groups=4, share=0.5, share_final=0.0, taper_end=0.0)

@@ -216,6 +216,22 @@ def test_a_tapered_share_follows_the_runs_progress_and_hands_its_rows_back(final
         assert want == [2, 3, 3, 4]
 
 
+def test_the_taper_end_moves_where_the_share_reaches_its_final_value_and_needs_a_taper():
+    base = ["actor_rollout_ref.model.algorithm=dpo", "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=1", "buffer.offline_mix_ratio=0.5"]
+    whole = group_schedule(load_config(base + ["buffer.offline_mix_ratio_final=0"]), total_steps=8)
+    half = group_schedule(load_config(base + ["buffer.offline_mix_ratio_final=0", "buffer.offline_mix_taper_end=0.5"]),
+                          total_steps=8)
+    assert [whole.at(u) for u in range(8)] == [2, 2, 3, 3, 3, 3, 4, 4]
+    assert [half.at(u) for u in range(8)] == [2, 3, 3, 4, 4, 4, 4, 4]
+    assert half.share_at(0.5) == whole.share_at(1.0) == 0.0
+    with pytest.raises(ConfigError, match=r"`buffer.offline_mix_taper_end` = 0.5 is refused while "
+                                          r"`buffer.offline_mix_ratio_final` is null"):
+        load_config(base + ["buffer.offline_mix_taper_end=0.5"])
+    with pytest.raises(ConfigError, match="offline_mix_taper_end"):
+        load_config(base + ["buffer.offline_mix_ratio_final=0", "buffer.offline_mix_taper_end=0"])
+
+
 def test_a_run_on_offline_data_needs_a_filled_store_of_its_model(small_overrides, tiny, tmp_path):
     run, _, _ = tiny
     cfg = _config(small_overrides, "dpo", "buffer.offline_mix_ratio=0.5", f"trainer.default_local_dir={tmp_path}")

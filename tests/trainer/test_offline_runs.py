@@ -79,26 +79,31 @@ def test_mixed_run_draws_the_ratio_and_splits_metrics(ray_cluster, small_overrid
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("taper_end", [1.0, 0.5])
 def test_a_tapered_share_falls_with_the_run_and_hands_its_rows_back_to_online_groups(ray_cluster, small_overrides,
-                                                                                    tiny_policy, tmp_path, mode):
+                                                                                    tiny_policy, tmp_path, mode,
+                                                                                    taper_end):
     cfg = load_config(_overrides(small_overrides, tmp_path, mode, "buffer.offline_mix_ratio=0.5",
-                                 "buffer.offline_mix_ratio_final=0", "trainer.total_training_steps=6",
-                                 "trainer.save_freq=-1"))
+                                 "buffer.offline_mix_ratio_final=0", f"buffer.offline_mix_taper_end={taper_end}",
+                                 "trainer.total_training_steps=6", "trainer.save_freq=-1"))
     _store(tmp_path, cfg, tiny_policy)
     printed: list[str] = []
     assert TaskRunner(cfg, printer=printed.append).run()["global_step"] == 6
-    assert any("moving to `buffer.offline_mix_ratio_final` = 0 by the run's end (2 online group(s) of 3 samples "
+    by = "the run's end" if taper_end == 1.0 else "50% of the run (`buffer.offline_mix_taper_end`)"
+    assert any(f"moving to `buffer.offline_mix_ratio_final` = 0 by {by} (2 online group(s) of 3 samples "
                "and ~0 offline rows per update)" in line for line in printed), printed
     s = _scalars(tmp_path / "tb")
     ratios, drawn = s["training/offline_mix_ratio"], s["training/offline_samples"]
     # the share of an update follows the run's progress at that update (separate_async makes its batch an update
-    # ahead, at the share of the update it is for): 0.5 at first, falling by 1/12 per update to 0.5/6 at the last
-    assert ratios == pytest.approx([0.5 * (1 - k / 6) for k in range(6)])
-    # the online groups of update u: round((1 - r(u)) x 2) with r(u) = 0.5 (1 - u/6) -> 1, 1, 1, 2, 2, 2 (the
-    # freed rows go back to online groups), in both modes: separate_async lays its tickets out by these sizes
+    # ahead, at the share of the update it is for): 0.5 at first, falling linearly to 0 at `taper_end` of the run
+    # (1/12 per update over the whole run; 1/6 per update over its first half, then 0)
+    assert ratios == pytest.approx([0.5 * max(0.0, 1 - k / 6 / taper_end) for k in range(6)])
+    # the online groups of update u: round((1 - r(u)) x 2) -> 1, 1, 1, 2, 2, 2 (taper over the run) or
+    # 1, 1, 2, 2, 2, 2 (over its first half): the freed rows go back to online groups, in both modes
+    # (separate_async lays its tickets out by these sizes)
     online = s["perf/total_num_samples"]  # the step's online samples trained
-    assert online == [3, 3, 3, 6, 6, 6], online
-    assert s["buffer/sampled"][-1] == 27
+    assert online == ([3, 3, 3, 6, 6, 6] if taper_end == 1.0 else [3, 3, 6, 6, 6, 6]), online
+    assert s["buffer/sampled"][-1] == sum(online)
     # the offline rows drawn follow the running target of ratio/(1-ratio) x the online rows within one pair
     target = np.cumsum([r / (1 - r) * o for r, o in zip(ratios, online)])
     assert all(abs(d - t) <= 2 for d, t in zip(np.cumsum(drawn), target)), (drawn, ratios)
