@@ -3,7 +3,7 @@
     python benchmarks/bench_offline_mix.py [--minutes 10] [--algo diffusion_nft] [--mode separate_async]
                                            [--ratios 0.25,0.5] [--pairs 256] [--pairs-from renders|model]
                                            [--model-samples 8] [--offline-advantage A] [--store DIR]
-                                           [--taper-to F] [--runs online,mix_0.5,...]
+                                           [--taper-to F [--taper-end E]] [--runs online,mix_0.5,...]
                                            [--num-prompts 256]
                                            [--images-per-prompt 4] [--eval-every 40] [--out bench_out/offline_mix]
     python benchmarks/bench_offline_mix.py --quick      # a < 1 minute smoke of the whole pipeline
@@ -25,7 +25,8 @@ the same direct-preference loss (``--algo``, settings of
 * ``mix_<r>``: rollouts plus offline pairs at ``buffer.offline_mix_ratio=r`` for each of ``--ratios`` (the pairs
   take the place of ``round(r * data.train_batch_size)`` online groups of every update); with ``--taper-to F``
   the mixed runs are ``mix_<r>_to_<F>``: the offline share moves linearly from r to F over the run's minutes
-  (``buffer.offline_mix_ratio_final=F``).
+  (``buffer.offline_mix_ratio_final=F``), with ``--taper-end E`` over the first E of them and F after
+  (``buffer.offline_mix_taper_end=E``; runs ``mix_<r>_to_<F>_by_<E>``).
 
 ``--runs`` picks some of these by name (e.g. ``online,mix_0.5_to_0``).
 
@@ -62,17 +63,21 @@ QUICK_OVERRIDES = ["data.train_batch_size=2", "actor_rollout_ref.rollout.n=4", "
 
 
 def variants(ratios: list[float], offline_advantage: float | None = None,
-             taper_to: float | None = None) -> dict[str, list[str]]:
+             taper_to: float | None = None, taper_end: float | None = None) -> dict[str, list[str]]:
     """Each run's own overrides; ``offline_advantage`` goes to the runs that read offline pairs (the config refuses
-    it where no offline pair is trained), ``taper_to`` to the mixed runs."""
+    it where no offline pair is trained), ``taper_to`` and ``taper_end`` to the mixed runs."""
+    if taper_end is not None and taper_to is None:
+        raise ValueError("--taper-end needs --taper-to (a share that tapers)")
     strength = [] if offline_advantage is None else [f"algorithm.offline_advantage={offline_advantage:g}"]
     out = {"online": [], "offline": ["algorithm.sample_source=offline", *strength]}
     for r in ratios:
         if taper_to is None:
             out[f"mix_{r:g}"] = [f"buffer.offline_mix_ratio={r:g}", *strength]
         else:
-            out[f"mix_{r:g}_to_{taper_to:g}"] = [f"buffer.offline_mix_ratio={r:g}",
-                                                 f"buffer.offline_mix_ratio_final={taper_to:g}", *strength]
+            end = [] if taper_end is None else [f"buffer.offline_mix_taper_end={taper_end:g}"]
+            name = f"mix_{r:g}_to_{taper_to:g}" + ("" if taper_end is None else f"_by_{taper_end:g}")
+            out[name] = [f"buffer.offline_mix_ratio={r:g}", f"buffer.offline_mix_ratio_final={taper_to:g}", *end,
+                         *strength]
     return out
 
 
@@ -162,6 +167,9 @@ def main(argv=None) -> int:
     ap.add_argument("--taper-to", type=float, default=None, metavar="F",
                     help="the mixed runs taper their offline share from r to F over the run "
                          "(buffer.offline_mix_ratio_final)")
+    ap.add_argument("--taper-end", type=float, default=None, metavar="E",
+                    help="with --taper-to: the share reaches F at this fraction of the run and stays there "
+                         "(buffer.offline_mix_taper_end; the runs are named mix_<r>_to_<F>_by_<E>)")
     ap.add_argument("--runs", default=None, help="comma list of run names to do (default: all)")
     ap.add_argument("--eval-every", type=int, default=40, help="checkpoint (and evaluate) every N updates")
     ap.add_argument("--num-prompts", type=int, default=256, help="held-out prompts")
@@ -203,7 +211,7 @@ def main(argv=None) -> int:
     started = init_ray(cfg0)  # one Ray for every run (TaskRunner joins it)
     results = {}
     try:
-        todo = variants(ratios, args.offline_advantage, args.taper_to)
+        todo = variants(ratios, args.offline_advantage, args.taper_to, args.taper_end)
         if args.runs:
             picked = [r for r in args.runs.split(",") if r]
             unknown = [r for r in picked if r not in todo]

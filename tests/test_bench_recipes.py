@@ -108,6 +108,13 @@ def test_offline_mix_variants_load_with_the_offline_strength_only_where_pairs_ar
     assert list(tapered) == ["online", "offline", "mix_0.5_to_0"]
     assert tapered["mix_0.5_to_0"].buffer.offline_mix_ratio_final == 0.0
     assert tapered["online"].buffer.offline_mix_ratio_final is None  # refused there: no offline share to taper
+    early = {name: load_config(base + extra)
+             for name, extra in bench.variants([0.5], 1.0, taper_to=0.0, taper_end=0.25).items()}
+    assert list(early) == ["online", "offline", "mix_0.5_to_0_by_0.25"]
+    assert early["mix_0.5_to_0_by_0.25"].buffer.offline_mix_taper_end == 0.25
+    assert early["online"].buffer.offline_mix_taper_end == 1.0
+    with pytest.raises(ValueError, match="--taper-end needs --taper-to"):
+        bench.variants([0.5], 1.0, taper_end=0.25)
 
 
 @pytest.mark.slow
