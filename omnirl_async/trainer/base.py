@@ -16,7 +16,6 @@ modes log the same metric keys with the same meaning.
 from __future__ import annotations
 
 import dataclasses
-
 import os
 import time
 from dataclasses import dataclass, field
@@ -99,8 +98,9 @@ class BaseTrainer:
     def _setup(self, config, prompts: list[str], printer) -> None:
         aro = config.actor_rollout_ref
         self.n = aro.rollout.n
-        # offline pairs take the place of some groups (the first update's; a tapered share changes them)
         self.prompts = prompts
+        # offline pairs take the place of some groups (batch_prompts: the first update's; a tapered share hands
+        # them back along the run)
         self.group_schedule = group_schedule(config)
         self.batch_prompts = self.group_schedule.at(0)
         if not self.group_schedule.fixed:  # the run's length in updates sizes a tapered share's steps
