@@ -2,7 +2,7 @@
 
     python benchmarks/bench_offline_mix.py [--minutes 10] [--algo diffusion_nft] [--mode separate_async]
                                            [--ratios 0.25,0.5] [--pairs 256] [--pairs-from renders|model]
-                                           [--model-samples 8] [--offline-advantage A] [--store DIR]
+                                           [--model-samples 8] [--pairs-lora DIR] [--offline-advantage A] [--store DIR]
                                            [--taper-to F [--taper-end E]] [--runs online,mix_0.5,...]
                                            [--num-prompts 256]
                                            [--images-per-prompt 4] [--eval-every 40] [--out bench_out/offline_mix]
@@ -12,7 +12,9 @@ Builds a preference dataset from the embedded shapes world with
 ``scripts/make_preference_dataset.py`` (per training prompt: a render that
 meets every clause vs one that breaks one clause; with ``--pairs-from model``
 the best vs the worst of ``--model-samples`` samples of the base model, ranked
-by the reward, drawn with the runs' config), ingests it once
+by the reward, drawn with the runs' config; with ``--pairs-lora DIR`` the
+samples are those of an earlier run instead: the base model with that run's
+LoRA, ``<run>/ckpt/global_step_N/lora``), ingests it once
 (``omnirl-async ingest``'s :func:`~omnirl_async.trainer.ingest.ingest_dataset`)
 and gives every run that reads offline data a copy of that store. Then trains
 the same direct-preference loss (``--algo``, settings of
@@ -81,9 +83,26 @@ def variants(ratios: list[float], offline_advantage: float | None = None,
     return out
 
 
+def pair_source(args, config_overrides: list[str]) -> list[str]:
+    """``make_preference_dataset.py``'s arguments for the pairs' source: renders (none), or ``--model-samples`` samples
+    drawn with the runs' config, of the base model or, with ``--pairs-lora``, of an earlier run's LoRA on it."""
+    if args.pairs_from != "model":
+        if args.pairs_lora:
+            raise SystemExit("--pairs-lora picks the model whose samples are ranked: it needs --pairs-from model")
+        return []
+    lora = []
+    if args.pairs_lora:
+        folder = Path(args.pairs_lora)
+        if not (folder / "adapter_config.json").is_file():
+            raise SystemExit(f"--pairs-lora {folder}: no adapter_config.json there; pass the `lora` folder of a "
+                             "checkpoint (<run>/ckpt/global_step_N/lora)")
+        lora = [f"actor_rollout_ref.model.lora_adapter_path={folder.resolve()}"]
+    return ["--model-samples", str(args.model_samples), *config_overrides, *lora]
+
+
 def build_store(args, out: Path, cfg, config_overrides: list[str]) -> Path:
-    """The preference dataset (renders, or ``--model-samples`` samples of the base model ranked by the reward, drawn
-    with the runs' config), ingested once; every run that reads offline data gets a copy of the store."""
+    """The preference dataset (:func:`pair_source`), ingested once; every run that reads offline data gets a copy of
+    the store."""
     import importlib.util
 
     from omnirl_async.trainer.ingest import ingest_dataset
@@ -96,7 +115,7 @@ def build_store(args, out: Path, cfg, config_overrides: list[str]) -> Path:
     data = out / "pref_data"
     if data.exists():
         shutil.rmtree(data)
-    source = ["--model-samples", str(args.model_samples), *config_overrides] if args.pairs_from == "model" else []
+    source = pair_source(args, config_overrides)
     if script.main(["--out", str(data), "--num-prompts", str(args.pairs), "--seed", str(args.seed), *source]):
         raise SystemExit(f"make_preference_dataset.py made no pair from {args.pairs} prompts (--pairs-from {args.pairs_from})")
     store = out / "store"
@@ -158,6 +177,9 @@ def main(argv=None) -> int:
                     help="renders: a render meeting every clause vs one breaking one; model: best vs worst of "
                          "--model-samples samples of the base model, ranked by the reward")
     ap.add_argument("--model-samples", type=int, default=8, metavar="K", help="with --pairs-from model")
+    ap.add_argument("--pairs-lora", default=None, metavar="DIR",
+                    help="with --pairs-from model: rank the samples of the base model with this LoRA (the `lora` "
+                         "folder of an earlier run's checkpoint) instead of the base model's")
     ap.add_argument("--offline-advantage", type=float, default=None, metavar="A",
                     help="algorithm.offline_advantage for the runs that read offline pairs (default: adv_clip_max, "
                          "NFT's r = 1 / 0)")
@@ -227,7 +249,8 @@ def main(argv=None) -> int:
     plot(results, out / "curves.png")
     print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {args.images_per_prompt} images, "
           f"seed {args.seed}); {args.algo}, {args.mode}, {args.minutes:g} min of training each, offline store "
-          f"{args.store or f'{args.pairs} prompts, pairs from {args.pairs_from}'}, offline advantage "
+          f"{args.store or f'{args.pairs} prompts, pairs from {args.pairs_from}'}"
+          f"{f' ({args.pairs_lora})' if args.pairs_lora and not args.store else ''}, offline advantage "
           f"{'adv_clip_max' if args.offline_advantage is None else f'{args.offline_advantage:g}'}:")
     print("| run | updates | offline share | before | after | gain (95 % CI) | best (step: overall) |")
     print("|---|---|---|---|---|---|---|")

@@ -134,6 +134,7 @@ def model_sample_pairs(config, prompts: list[str], *, k: int, seed: int = 0, lat
     pcfg, acfg = aro.rollout.pipeline, aro.rollout.algo
     policy = build_policy(aro.model, pick_device(config.trainer.device), seed=config.data.seed)
     reward = RewardManager.from_config(config.reward)
+    lora = {} if aro.model.lora_adapter_path is None else {"lora": str(aro.model.lora_adapter_path)}
     rows = []
     for i, prompt in enumerate(tqdm(prompts, desc="sample", disable=not progress)):
         neg = [pcfg.negative_prompt] if pcfg.true_cfg_scale > 1 else None
@@ -154,7 +155,7 @@ def model_sample_pairs(config, prompts: list[str], *, k: int, seed: int = 0, lat
         rows.append({"id": f"model-{i:05d}", "prompt": prompt, "chosen": pick[best], "rejected": pick[worst],
                      "chosen_score": round(float(scores[best]), 6), "rejected_score": round(float(scores[worst]), 6),
                      "source": "model-samples",
-                     "metadata": {"model": str(aro.model.path), "samples": k, "chosen_seed": seeds[best],
+                     "metadata": {"model": str(aro.model.path), **lora, "samples": k, "chosen_seed": seeds[best],
                                   "rejected_seed": seeds[worst]}})
     return rows
 

@@ -117,6 +117,26 @@ def test_offline_mix_variants_load_with_the_offline_strength_only_where_pairs_ar
         bench.variants([0.5], 1.0, taper_end=0.25)
 
 
+def test_offline_mix_pairs_lora_is_checked_and_reaches_the_dataset_script_only(tmp_path):
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_offline_mix")
+    args = SimpleNamespace(pairs_from="renders", pairs_lora=None, model_samples=8)
+    assert bench.pair_source(args, ["x=1"]) == []
+    with pytest.raises(SystemExit, match="--pairs-lora .* needs --pairs-from model"):
+        bench.pair_source(SimpleNamespace(**args.__dict__ | {"pairs_lora": str(tmp_path)}), [])
+    model = SimpleNamespace(pairs_from="model", pairs_lora=str(tmp_path), model_samples=8)
+    with pytest.raises(SystemExit, match="no adapter_config.json there; pass the `lora` folder of a checkpoint"):
+        bench.pair_source(model, [])
+    (tmp_path / "adapter_config.json").write_text("{}")
+    got = bench.pair_source(model, ["x=1"])
+    assert got == ["--model-samples", "8", "x=1", f"actor_rollout_ref.model.lora_adapter_path={tmp_path.resolve()}"]
+    assert bench.pair_source(SimpleNamespace(**model.__dict__ | {"pairs_lora": None}), ["x=1"]) == [
+        "--model-samples", "8", "x=1"]
+
+
 @pytest.mark.slow
 def test_offline_mix_quick_run_with_model_sample_pairs(tmp_path):
     """The whole bench_offline_mix pipeline on a tiny world, its store built from ranked samples of the base model."""

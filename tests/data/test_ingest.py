@@ -232,3 +232,34 @@ def test_model_samples_dataset_ingests_its_latents_bit_exactly(make_dataset_scri
     for i, r in enumerate(rows):
         assert x0[2 * i].tobytes() == shard[f"{r['id']}.chosen"].tobytes()
         assert x0[2 * i + 1].tobytes() == shard[f"{r['id']}.rejected"].tobytes()
+
+
+def test_model_samples_of_an_earlier_runs_lora_are_that_models_samples(make_dataset_script, tmp_path):
+    """`actor_rollout_ref.model.lora_adapter_path` (bench_offline_mix.py --pairs-lora): the pairs are ranked samples
+    of the base model with that LoRA, not of the base model, and the rows say which LoRA made them."""
+    import torch
+
+    from omnirl_async.config import load_config
+    from omnirl_async.models.setup import build_policy
+
+    over = ["trainer.device=cpu", "actor_rollout_ref.rollout.pipeline.num_inference_steps=3"]
+    cfg = load_config(over + ["actor_rollout_ref.model.lora_rank=4"])
+    trained = build_policy(cfg.actor_rollout_ref.model, torch.device("cpu"))
+    with torch.no_grad():
+        for p in trained.trainable_parameters():
+            p.add_(0.05 * torch.randn_like(p, generator=torch.Generator().manual_seed(0)))
+    trained.save_lora(tmp_path / "lora")
+    prompts = ["two red circles", "three white triangles"]
+    base = make_dataset_script.model_sample_pairs(load_config(over), prompts, k=3, latents=True, progress=False)
+    with_lora = make_dataset_script.model_sample_pairs(
+        load_config(over + [f"actor_rollout_ref.model.lora_adapter_path={tmp_path / 'lora'}"]), prompts, k=3,
+        latents=True, progress=False)
+    assert base and with_lora
+    assert all("lora" not in r["metadata"] for r in base)
+    assert all(r["metadata"]["lora"] == str(tmp_path / "lora") for r in with_lora)
+    same_seed = {(r["metadata"]["chosen_seed"]): r["chosen"] for r in base}
+    pairs = [(same_seed[r["metadata"]["chosen_seed"]], r["chosen"]) for r in with_lora
+             if r["metadata"]["chosen_seed"] in same_seed]
+    others = [r["chosen"] for r in with_lora]
+    assert all(not np.array_equal(a, b) for a, b in pairs)  # the same seed, another model: another sample
+    assert not any(np.array_equal(a, b) for a in others for b in same_seed.values())
