@@ -108,7 +108,7 @@ class BaseTrainer:
         self.dispatcher = self.make_dispatcher(prompts)
         self.buffer = self.make_buffer()
         # offline preference pairs: mixed into each batch, or (sample_source=offline) trained alone, no rollouts
-        self.offline = OfflineData(config, self.buffer, printer=printer)
+        self.offline = OfflineData(config, self.buffer, schedule=self.group_schedule, printer=printer)
         self.reward_actors = [] if self.offline.only else make_reward_actors(  # [] = score inline
             config.reward, timeout_s=config.trainer.wait_timeout_s,
             placement=lambda i: self.placements.options("reward", i))

@@ -99,13 +99,15 @@ def learner_inputs(online: SampledBatch, offline: SampledBatch) -> tuple[dict[st
 class OfflineData:
     """The offline side of one run: fill the table, draw each update's share, or a whole offline batch."""
 
-    def __init__(self, config, buffer, *, printer=print):
+    def __init__(self, config, buffer, *, schedule: GroupSchedule | None = None, printer=print):
+        """``schedule``: the run's :func:`group_schedule` (the trainer's, sized by the run's length); by default
+        the config's."""
         self.buffer = buffer
         self.printer = printer
         self.run_dir = str(config.trainer.default_local_dir)
         self.only = config.algorithm.sample_source == "offline"
         self.ratio = float(config.buffer.offline_mix_ratio)
-        self.schedule = group_schedule(config)  # refuses a final share without mixing at start-up (config)
+        self.schedule = group_schedule(config) if schedule is None else schedule
         rows = int(config.data.train_batch_size) * int(config.actor_rollout_ref.rollout.n)
         self.rows_per_step = rows + rows % 2  # whole pairs
         self.wait_timeout_s = float(config.trainer.wait_timeout_s)
