@@ -222,6 +222,9 @@ def main(argv=None) -> int:
         f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}", *args.overrides]
     cfg0 = load_config(overrides0)
     if args.store:
+        if args.pairs_lora:
+            raise SystemExit("--pairs-lora picks the samples of a store to build; --store reuses a built one: "
+                             "pass one of them")
         from omnirl_async.buffer.offline_store import OfflineStore
 
         store = Path(args.store)
@@ -250,7 +253,7 @@ def main(argv=None) -> int:
     print(f"\nheld-out strict accuracy, GenEval overall ({len(prompts)} prompts x {args.images_per_prompt} images, "
           f"seed {args.seed}); {args.algo}, {args.mode}, {args.minutes:g} min of training each, offline store "
           f"{args.store or f'{args.pairs} prompts, pairs from {args.pairs_from}'}"
-          f"{f' ({args.pairs_lora})' if args.pairs_lora and not args.store else ''}, offline advantage "
+          f"{f' ({args.pairs_lora})' if args.pairs_lora else ''}, offline advantage "
           f"{'adv_clip_max' if args.offline_advantage is None else f'{args.offline_advantage:g}'}:")
     print("| run | updates | offline share | before | after | gain (95 % CI) | best (step: overall) |")
     print("|---|---|---|---|---|---|---|")

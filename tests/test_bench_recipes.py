@@ -135,6 +135,8 @@ def test_offline_mix_pairs_lora_is_checked_and_reaches_the_dataset_script_only(t
     assert got == ["--model-samples", "8", "x=1", f"actor_rollout_ref.model.lora_adapter_path={tmp_path.resolve()}"]
     assert bench.pair_source(SimpleNamespace(**model.__dict__ | {"pairs_lora": None}), ["x=1"]) == [
         "--model-samples", "8", "x=1"]
+    with pytest.raises(SystemExit, match="--store reuses a built one: pass one of them"):
+        bench.main(["--store", str(tmp_path), "--pairs-from", "model", "--pairs-lora", str(tmp_path)])
 
 
 @pytest.mark.slow
