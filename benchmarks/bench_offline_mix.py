@@ -92,11 +92,13 @@ def pair_source(args, config_overrides: list[str]) -> list[str]:
         return []
     lora = []
     if args.pairs_lora:
-        folder = Path(args.pairs_lora)
-        if not (folder / "adapter_config.json").is_file():
-            raise SystemExit(f"--pairs-lora {folder}: no adapter_config.json there; pass the `lora` folder of a "
-                             "checkpoint (<run>/ckpt/global_step_N/lora)")
-        lora = [f"actor_rollout_ref.model.lora_adapter_path={folder.resolve()}"]
+        from omnirl_async.preflight import InputError, check_lora_adapter
+
+        try:  # the check the config runs on actor_rollout_ref.model.lora_adapter_path, named by this flag
+            check_lora_adapter(args.pairs_lora, key="--pairs-lora")
+        except InputError as err:
+            raise SystemExit(str(err)) from None
+        lora = [f"actor_rollout_ref.model.lora_adapter_path={Path(args.pairs_lora).resolve()}"]
     return ["--model-samples", str(args.model_samples), *config_overrides, *lora]
 
 
@@ -200,6 +202,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="bench_out/offline_mix")
     ap.add_argument("overrides", nargs="*", help="overrides for every run")
     args = ap.parse_args(argv)
+    if args.store and args.pairs_lora:
+        raise SystemExit("--pairs-lora picks the samples of a store to build; --store reuses a built one: "
+                         "pass one of them")
     args.shared = []
     if args.quick:
         for k, v in QUICK.items():
@@ -222,9 +227,6 @@ def main(argv=None) -> int:
         f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}", *args.overrides]
     cfg0 = load_config(overrides0)
     if args.store:
-        if args.pairs_lora:
-            raise SystemExit("--pairs-lora picks the samples of a store to build; --store reuses a built one: "
-                             "pass one of them")
         from omnirl_async.buffer.offline_store import OfflineStore
 
         store = Path(args.store)

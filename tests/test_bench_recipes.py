@@ -121,18 +121,30 @@ def test_offline_mix_pairs_lora_is_checked_and_reaches_the_dataset_script_only(t
     import sys
     from types import SimpleNamespace
 
+    import torch
+
+    from omnirl_async.models.setup import build_policy
+
     sys.path.insert(0, str(ROOT / "benchmarks"))
     bench = _load("bench_offline_mix")
     args = SimpleNamespace(pairs_from="renders", pairs_lora=None, model_samples=8)
     assert bench.pair_source(args, ["x=1"]) == []
     with pytest.raises(SystemExit, match="--pairs-lora .* needs --pairs-from model"):
         bench.pair_source(SimpleNamespace(**args.__dict__ | {"pairs_lora": str(tmp_path)}), [])
-    model = SimpleNamespace(pairs_from="model", pairs_lora=str(tmp_path), model_samples=8)
-    with pytest.raises(SystemExit, match="no adapter_config.json there; pass the `lora` folder of a checkpoint"):
+    step = tmp_path / "global_step_3"
+    model = SimpleNamespace(pairs_from="model", pairs_lora=str(step), model_samples=8)
+    with pytest.raises(SystemExit, match="`--pairs-lora`: adapter folder .* does not exist"):
         bench.pair_source(model, [])
-    (tmp_path / "adapter_config.json").write_text("{}")
+    policy = build_policy(load_config(["actor_rollout_ref.model.lora_rank=4"]).actor_rollout_ref.model,
+                          torch.device("cpu"))
+    policy.save_lora(step / "lora")  # a checkpoint step folder: the LoRA is in lora/ inside
+    with pytest.raises(SystemExit, match=r"`--pairs-lora`: .* has no adapter_config.json, so it is not a PEFT "
+                                         r"adapter folder \(.*lora holds one: point at that\)"):
+        bench.pair_source(model, [])
+    model.pairs_lora = str(step / "lora")
     got = bench.pair_source(model, ["x=1"])
-    assert got == ["--model-samples", "8", "x=1", f"actor_rollout_ref.model.lora_adapter_path={tmp_path.resolve()}"]
+    assert got == ["--model-samples", "8", "x=1",
+                   f"actor_rollout_ref.model.lora_adapter_path={(step / 'lora').resolve()}"]
     assert bench.pair_source(SimpleNamespace(**model.__dict__ | {"pairs_lora": None}), ["x=1"]) == [
         "--model-samples", "8", "x=1"]
     with pytest.raises(SystemExit, match="--store reuses a built one: pass one of them"):
