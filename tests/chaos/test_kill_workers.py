@@ -88,7 +88,10 @@ def test_killing_rollout_workers_for_two_minutes_loses_and_duplicates_nothing(tm
     finally:
         ray.shutdown()
     print(out)
-    assert out["kills"] >= CHAOS_SECONDS / KILL_EVERY_S / 2 and out["replaced"] >= out["kills"] // 2, out
+    # the killer ran the whole time the job did: at least half the kills its schedule allows (relative to the run's
+    # own length, so a machine that finishes the epoch before CHAOS_SECONDS does not fail it), and never few
+    kill_window = min(out["wall_s"], CHAOS_SECONDS)
+    assert out["kills"] >= max(5, kill_window / KILL_EVERY_S / 2) and out["replaced"] >= out["kills"] // 2, out
     assert out["steps"] >= 10, out  # it made progress while being killed
     assert out["duplicates"] == 0 and out["lost"] == 0 and out["unexpected"] == 0, out
     # every update that trained something trained prompts that were handed out (a regenerated group takes a new
