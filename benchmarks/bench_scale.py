@@ -339,7 +339,8 @@ class SimWorker(RolloutWorker):
         self._count_lock = threading.Lock()
         self._weights_lock = threading.Lock()
         self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
-                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "wall_s": 0.0, "overrun_s": 0.0,
+                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "weight_pulls": 0, "wall_s": 0.0,
+                         "overrun_s": 0.0,
                          "install_s": 0.0}
         self._rng = np.random.default_rng([spec.seed, worker_index, 1])
         self._payload: dict[str, np.ndarray] | None = None
@@ -765,8 +766,8 @@ def calls_in_window(now: dict, before: dict) -> dict[str, list[float]]:
 
 
 def host_totals(hosts: list[dict]) -> dict[str, float]:
-    keys = ("groups", "samples", "gen_s", "reward_s", "idle_s", "put_s", "weights_s", "weights_bytes", "wall_s",
-            "overrun_s", "install_s")
+    keys = ("groups", "samples", "gen_s", "reward_s", "idle_s", "put_s", "weights_s", "weights_bytes", "weight_pulls",
+            "wall_s", "overrun_s", "install_s")
     return {k: float(sum(h.get(k, 0.0) for h in hosts)) for k in keys}
 
 

@@ -123,7 +123,7 @@ class RolloutWorker:
         self._count_lock = threading.Lock()
         self._weights_lock = threading.Lock()
         self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
-                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "wall_s": 0.0}
+                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "weight_pulls": 0, "wall_s": 0.0}
 
     # ------------------------------------------------------------------ lifecycle
     def assert_healthy(self) -> dict[str, Any]:
@@ -139,7 +139,7 @@ class RolloutWorker:
     # ------------------------------------------------------------------ continuous loop (separate_async)
     def run_loop(self, dispatcher, store, buffer, *, worker_id: str, poll_s: float = 0.02,
                  lease_wait_s: float = 2.0, put_timeout: float = 600.0, slowdown_s: float = 0.0) -> dict[str, float]:
-        """Lease → (new weights between requests) → generate → score → put → complete, until the trainer stops it.
+        """Lease → (new weights, once granted) → generate → score → put → complete, until the trainer stops it.
 
         A lease that admission control refuses waits in the dispatcher up to
         ``lease_wait_s`` for something to change (a learner update, a lease given
@@ -155,16 +155,16 @@ class RolloutWorker:
         t_start = time.perf_counter()
         inflight: deque = deque()
         while True:
+            # Lease first, pull after: admission is asked for the newest published version, and the weights are
+            # fetched only once a lease is granted. A worker refused a lease (a learner-bound run: most of them,
+            # after every update) pulls nothing. What it then installs is that version or a later one, so its
+            # group lags no more than admission allowed.
             t0 = time.perf_counter()
-            newer = fetch_weights_if_newer(store, self.version)
-            if newer is not None:
-                info, weights = newer
-                self.set_weights(info.version, weights)
-                self.counters["weights_bytes"] += info.num_bytes
+            latest = ray.get(store.latest_version.remote())
             t1 = time.perf_counter()
             self.counters["weights_s"] += t1 - t0
             leases = ray.get(dispatcher.lease.remote(1, global_step=None, worker_id=worker_id,
-                                                     worker_version=self.version, wait_s=lease_wait_s))
+                                                     worker_version=max(self.version, latest), wait_s=lease_wait_s))
             if not leases:
                 # Only the trainer ends the loop: a run whose prompts are all leased may still hand out
                 # refills (a group evicted for failed members) or leases of a worker that died.
@@ -174,6 +174,14 @@ class RolloutWorker:
                     time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)
                 self.counters["idle_s"] += time.perf_counter() - t1
                 continue
+            t2 = time.perf_counter()
+            newer = fetch_weights_if_newer(store, self.version, latest=latest)
+            if newer is not None:
+                info, weights = newer
+                self.set_weights(info.version, weights)
+                self.counters["weights_bytes"] += info.num_bytes
+                self.counters["weight_pulls"] += 1
+                self.counters["weights_s"] += time.perf_counter() - t2
             group = self._sample_group(leases[0], self.window.select(leases[0].global_step))
             if slowdown_s:
                 time.sleep(slowdown_s)

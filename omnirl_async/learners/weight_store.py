@@ -6,8 +6,9 @@ object store **once** per version and so owns it: the weights outlive the
 learner process that produced them (objects die with their owner, and Ray
 2.56 removed ``ray.put(..., _owner=...)``, so the owner must do the put).
 Rollout workers ask for the newest version number between requests (a cheap
-call) and fetch the tensors only when it changed; numpy arrays come back as
-zero-copy views of shared memory.
+call) and fetch the tensors only when it changed and they were granted a
+lease to generate with it; numpy arrays come back as zero-copy views of
+shared memory.
 
 The store keeps the newest ``keep`` versions so a worker that fetched the
 number of version ``v`` can still get it after ``v+1`` appeared.
@@ -75,12 +76,18 @@ def publish_weights(store, version: int, weights: dict[str, np.ndarray], *, is_l
     return info
 
 
-def fetch_weights_if_newer(store, have_version: int) -> tuple[WeightsInfo, dict[str, np.ndarray]] | None:
-    """The newest weights when they are newer than ``have_version``, else None (one cheap call)."""
+def fetch_weights_if_newer(store, have_version: int, *, latest: int | None = None
+                           ) -> tuple[WeightsInfo, dict[str, np.ndarray]] | None:
+    """The newest weights when they are newer than ``have_version``, else None (one cheap call).
+
+    ``latest``: the store's newest version as the caller just read it (saves that call). What comes back is then
+    the newest version the store holds *now*, which is ``latest`` or a later one.
+    """
     import ray
 
-    latest = ray.get(store.latest_version.remote())
+    if latest is None:
+        latest = ray.get(store.latest_version.remote())
     if latest <= have_version:
         return None
-    info, wrapped = ray.get(store.get.remote(latest))
+    info, wrapped = ray.get(store.get.remote(None))
     return info, ray.get(wrapped[0])

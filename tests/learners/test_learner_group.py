@@ -117,6 +117,25 @@ def test_a_publish_started_between_two_started_updates_holds_the_first_updates_w
         group.stop()
 
 
+def test_fetching_weights_after_reading_the_latest_version_gets_that_version_or_a_newer_one(ray_cluster):
+    """A rollout worker reads the store's newest version, leases with it and only then fetches
+    (``fetch_weights_if_newer(..., latest=)``): it installs that version or one published meanwhile, never older."""
+    from omnirl_async.learners.weight_store import WeightStore, fetch_weights_if_newer, publish_weights
+
+    store = ray_cluster.remote(num_cpus=0)(WeightStore).remote(keep=2)
+    for v in (0, 1):
+        publish_weights(store, v, {"w": np.full(3, float(v), np.float32)}, is_lora=True)
+    latest = ray_cluster.get(store.latest_version.remote())
+    assert latest == 1
+    assert fetch_weights_if_newer(store, 1, latest=latest) is None  # already current: nothing fetched
+    publish_weights(store, 2, {"w": np.full(3, 2.0, np.float32)}, is_lora=True)  # between the read and the fetch
+    info, weights = fetch_weights_if_newer(store, 0, latest=latest)
+    assert info.version == 2 and weights["w"].tolist() == [2.0, 2.0, 2.0]
+    assert fetch_weights_if_newer(store, 2) is None
+    info, _ = fetch_weights_if_newer(store, 1)  # without `latest` it reads it itself
+    assert info.version == 2
+
+
 def test_bypass_equals_decoupled_when_lag_is_zero(small_overrides, batch):
     fields, gids = batch
     weights = {}

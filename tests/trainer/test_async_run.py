@@ -127,3 +127,22 @@ def test_back_to_back_updates_publish_every_version_after_its_own_update(ray_clu
         assert max(lv - bv for _, _, _, bv, lv in trainer.trained_log) <= 1
     assert got[True]["back_to_back_updates"] > 0
     assert got[False]["back_to_back_updates"] == 0
+
+
+@pytest.mark.slow  # a full training run; the fetch itself is checked in tests/learners/test_learner_group.py
+def test_a_worker_refused_a_lease_pulls_no_weights(ray_cluster, small_overrides, tmp_path):
+    """Learner-bound: one group per update, two workers, threshold 0. After each publish only one worker can lease
+    the next update's group; the other is refused and must not fetch the weights it would not use (at scale: most
+    workers after every update). Every pull is followed by a group, and the bound still holds."""
+    steps = 5
+    cfg = _cfg(small_overrides, tmp_path, f"trainer.total_training_steps={steps}", "data.train_batch_size=1",
+               "actor_rollout_ref.actor.ppo_mini_batch_size=1", "trainer.total_epochs=50",
+               "trainer.v1.sampler.max_off_policy_threshold=0", "trainer.v1.sampler.max_off_policy_strategy=wait")
+    trainer, summary = _fit(cfg)
+    stats = trainer.final_worker_stats
+    assert summary["global_step"] == steps and len(stats) == 2, (summary, stats)
+    pulls, groups = sum(s["weight_pulls"] for s in stats), sum(s["groups"] for s in stats)
+    # version 0 is pulled by nobody (workers start at 0); versions 1..steps-1 by the worker that leased the next
+    # group; a worker refused a lease pulls nothing, so there are no more pulls than groups generated
+    assert steps - 1 <= pulls <= groups, (pulls, groups, stats)
+    assert max(lv - bv for _, _, _, bv, lv in trainer.trained_log) == 0
