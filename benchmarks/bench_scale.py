@@ -11,7 +11,7 @@ What is real and what stands in
                learner actor, ``LearnerGroup.update`` / ``publish``) and the whole learner loop of
                ``SeparateAsyncTrainer`` (``BaseTrainer.run_loop``: wait for tickets, sample, update,
                publish, settle, metrics, audit trail). Each simulated rollout worker runs the real
-               ``RolloutWorker.run_loop``: newest weights -> lease -> generate -> score (in its pool) ->
+               ``RolloutWorker.run_loop``: lease -> newest weights -> generate -> score (in its pool) ->
                ``buffer.put(producer=...)`` -> ``complete``, with its own worker id, version and leases.
   stand-in     generation (``SimWorker._sample_group``) sleeps a modelled time and returns a payload of the
                modelled size; the reward sleeps a long-tailed modelled latency; the learner's update sleeps a
@@ -814,7 +814,8 @@ def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None
     printer(f"control plane, worker side:  {fmt_ms(r['worker_cp_s'])} per group before generating (a version "
             f"check, a granted lease, weight pulls and installs) = {100 * r['worker_cp_frac']:.2f} % of a group's "
             f"generation; scoring + put + complete run beside the next generation: "
-            f"{fmt_ms(sims['put_s'] / max(1.0, sims['groups']))} of put + complete per group")
+            f"{fmt_ms(sims['put_s'] / max(1.0, sims['groups']))} of put + complete per group; "
+            f"{sims.get('weight_pulls', 0):.0f} weight pulls for {sims['groups']:.0f} groups (only a granted lease pulls)")
     printer("  timed calls (client round trips on the real objects, whole run; dispatcher.* and buffer.* from the "
             "driver and every simulated worker):")
     trained = max(1, r["trained_samples"])

@@ -1,8 +1,9 @@
 """``trainer.v1.trainer_mode=separate_async``: rollout and learning at the same time.
 
 Rollout workers run :meth:`RolloutWorker.run_loop` continuously: lease a
-prompt (admission control decides whether it may start), take new weights if
-a newer version was published (only between requests), generate, score, put
+prompt (admission control decides whether it may start, given the newest
+published version), then take that version's weights if newer than the
+installed ones (only between requests; a refused worker pulls nothing), generate, score, put
 the group into the Ray replay buffer, complete the lease. The driver runs the
 learner: wait for the next batch, sample it, update, and every
 ``parameter_sync_step`` updates publish version ``v+1`` through the
