@@ -361,13 +361,13 @@ class SimWorker(RolloutWorker):
         return {"lease": lease, "fields": fields, "seeds": sample_seeds(lease), "version": self.version,
                 "gen_s": time.perf_counter() - t0}
 
-    def set_weights(self, version: int, weights: dict[str, Any]) -> int:
+    def set_weights(self, version: int, weights: dict[str, Any], *, if_newer: bool = False) -> int:
         """Install a version as the real worker does, minus the model: the tensor copy, then the version."""
         from omnirl_async.actors.rollout_worker import _to_tensor_dict
 
         t0 = time.perf_counter()
         with self._weights_lock:
-            if version < self.version:
+            if version < self.version and not if_newer:
                 raise ValueError(f"weights version {version} is older than the installed {self.version}")
             if version > self.version:
                 _to_tensor_dict(weights)  # the copy the real worker makes before loading the LoRA

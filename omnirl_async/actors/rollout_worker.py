@@ -178,7 +178,7 @@ class RolloutWorker:
             newer = fetch_weights_if_newer(store, self.version, latest=latest)
             if newer is not None:
                 info, weights = newer
-                self.set_weights(info.version, weights)
+                self.set_weights(info.version, weights, if_newer=True)
                 self.counters["weights_bytes"] += info.num_bytes
                 self.counters["weight_pulls"] += 1
                 self.counters["weights_s"] += time.perf_counter() - t2
@@ -195,10 +195,15 @@ class RolloutWorker:
         self.counters["wall_s"] = time.perf_counter() - t_start
         return self.stats()
 
-    def set_weights(self, version: int, weights: dict[str, Any]) -> int:
-        """Install a published weight version (LoRA state, or full weights when lora_rank=0)."""
+    def set_weights(self, version: int, weights: dict[str, Any], *, if_newer: bool = False) -> int:
+        """Install a published weight version (LoRA state, or full weights when lora_rank=0); returns the installed
+        version. An older version than the installed one is an error, or with ``if_newer`` is left alone: the
+        rollout loop and a validation request each fetch the newest and may race, and the later fetch can then
+        install first."""
         with self._weights_lock:  # the rollout loop and a validation request may both install it
             if version < self.version:
+                if if_newer:
+                    return self.version
                 raise ValueError(f"weights version {version} is older than the installed {self.version}")
             if version == self.version:
                 return self.version
@@ -217,7 +222,7 @@ class RolloutWorker:
         newer = fetch_weights_if_newer(store, self.version)
         if newer is not None:
             info, weights = newer
-            self.set_weights(info.version, weights)
+            self.set_weights(info.version, weights, if_newer=True)
         return self.version
 
     def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:

@@ -1,0 +1,30 @@
+"""A rollout worker's weight installs: versions only move forward; a fetch that lost a race is left alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from omnirl_async.actors.rollout_worker import RolloutWorker
+from omnirl_async.config import load_config
+
+
+def _lora(worker: RolloutWorker, shift: float) -> dict[str, np.ndarray]:
+    return {k: v.detach().cpu().numpy() + shift for k, v in worker.policy.lora_state_dict().items()}
+
+
+def test_an_older_version_is_refused_or_with_if_newer_left_alone(small_overrides):
+    worker = RolloutWorker(load_config(small_overrides))
+    base = _lora(worker, 0.0)
+    two, one = _lora(worker, 0.02), _lora(worker, 0.01)
+    assert worker.set_weights(2, two) == 2
+    installed = {k: v.detach().cpu().numpy() for k, v in worker.policy.lora_state_dict().items()}
+    assert all(np.allclose(installed[k], two[k]) for k in two) and not all(np.allclose(installed[k], base[k])
+                                                                          for k in base)
+    with pytest.raises(ValueError, match="version 1 is older than the installed 2"):
+        worker.set_weights(1, one)
+    # the rollout loop fetched version 1 while a validation request installed 2: the loop's install is a no-op
+    assert worker.set_weights(1, one, if_newer=True) == 2
+    after = {k: v.detach().cpu().numpy() for k, v in worker.policy.lora_state_dict().items()}
+    assert all(np.array_equal(after[k], installed[k]) for k in installed)
+    assert worker.get_version() == 2
