@@ -338,10 +338,7 @@ class SimWorker(RolloutWorker):
         self._pool = ThreadPoolExecutor(max_workers=self.max_inflight_scores, thread_name_prefix="score")
         self._count_lock = threading.Lock()
         self._weights_lock = threading.Lock()
-        self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
-                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "weight_pulls": 0, "wall_s": 0.0,
-                         "overrun_s": 0.0,
-                         "install_s": 0.0}
+        self.counters = dict(RolloutWorker.COUNTERS, overrun_s=0.0, install_s=0.0)
         self._rng = np.random.default_rng([spec.seed, worker_index, 1])
         self._payload: dict[str, np.ndarray] | None = None
         self.reward = SimReward(spec, [spec.seed, worker_index, 2])
@@ -766,8 +763,7 @@ def calls_in_window(now: dict, before: dict) -> dict[str, list[float]]:
 
 
 def host_totals(hosts: list[dict]) -> dict[str, float]:
-    keys = ("groups", "samples", "gen_s", "reward_s", "idle_s", "put_s", "weights_s", "weights_bytes", "weight_pulls",
-            "wall_s", "overrun_s", "install_s")
+    keys = (*RolloutWorker.COUNTERS, "overrun_s", "install_s")
     return {k: float(sum(h.get(k, 0.0) for h in hosts)) for k in keys}
 
 
@@ -815,7 +811,7 @@ def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None
             f"check, a granted lease, weight pulls and installs) = {100 * r['worker_cp_frac']:.2f} % of a group's "
             f"generation; scoring + put + complete run beside the next generation: "
             f"{fmt_ms(sims['put_s'] / max(1.0, sims['groups']))} of put + complete per group; "
-            f"{sims.get('weight_pulls', 0):.0f} weight pulls for {sims['groups']:.0f} groups (only a granted lease pulls)")
+            f"{sims['weight_pulls']:.0f} weight pulls for {sims['groups']:.0f} groups (only a granted lease pulls)")
     printer("  timed calls (client round trips on the real objects, whole run; dispatcher.* and buffer.* from the "
             "driver and every simulated worker):")
     trained = max(1, r["trained_samples"])

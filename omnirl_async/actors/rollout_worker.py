@@ -91,6 +91,10 @@ class InlineTimeout:
 
 
 class RolloutWorker:
+    #: cumulative counters of the continuous loop (:meth:`stats`), all starting at zero
+    COUNTERS = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0, "put_s": 0.0,
+                "weights_s": 0.0, "weights_bytes": 0, "weight_pulls": 0, "wall_s": 0.0}
+
     def __init__(self, config, *, worker_index: int = 0, num_threads: int | None = None,
                  reward_actors: list | None = None):
         if num_threads:
@@ -122,8 +126,7 @@ class RolloutWorker:
         self._pool = ThreadPoolExecutor(max_workers=self.max_inflight_scores, thread_name_prefix="score")
         self._count_lock = threading.Lock()
         self._weights_lock = threading.Lock()
-        self.counters = {"groups": 0, "samples": 0, "gen_s": 0.0, "reward_s": 0.0, "idle_s": 0.0,
-                         "put_s": 0.0, "weights_s": 0.0, "weights_bytes": 0, "weight_pulls": 0, "wall_s": 0.0}
+        self.counters = dict(self.COUNTERS)
 
     # ------------------------------------------------------------------ lifecycle
     def assert_healthy(self) -> dict[str, Any]:
@@ -150,8 +153,6 @@ class RolloutWorker:
         """
         import ray
 
-        from omnirl_async.learners.weight_store import fetch_weights_if_newer
-
         t_start = time.perf_counter()
         inflight: deque = deque()
         while True:
@@ -175,10 +176,8 @@ class RolloutWorker:
                 self.counters["idle_s"] += time.perf_counter() - t1
                 continue
             t2 = time.perf_counter()
-            newer = fetch_weights_if_newer(store, self.version, latest=latest)
-            if newer is not None:
-                info, weights = newer
-                self.set_weights(info.version, weights, if_newer=True)
+            info = self._install_newest(store, latest=latest)
+            if info is not None:
                 self.counters["weights_bytes"] += info.num_bytes
                 self.counters["weight_pulls"] += 1
                 self.counters["weights_s"] += time.perf_counter() - t2
@@ -217,13 +216,20 @@ class RolloutWorker:
 
     def pull_weights(self, store) -> int:
         """Install the newest version the weight store holds (separate_async, before validating)."""
+        self._install_newest(store)
+        return self.version
+
+    def _install_newest(self, store, *, latest: int | None = None):
+        """Fetch and install the store's newest weights when newer than the installed ones (``latest``: the newest
+        version as the caller just read it); returns the fetched version's ``WeightsInfo``, or None."""
         from omnirl_async.learners.weight_store import fetch_weights_if_newer
 
-        newer = fetch_weights_if_newer(store, self.version)
-        if newer is not None:
-            info, weights = newer
-            self.set_weights(info.version, weights, if_newer=True)
-        return self.version
+        newer = fetch_weights_if_newer(store, self.version, latest=latest)
+        if newer is None:
+            return None
+        info, weights = newer
+        self.set_weights(info.version, weights, if_newer=True)  # the loop and a validation pull may race
+        return info
 
     def validate(self, prompts: list[str], *, seed: int = 0) -> dict[str, Any]:
         """Score ``prompts`` with ``rollout.val_kwargs`` and the weights this worker holds.
