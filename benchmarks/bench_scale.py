@@ -745,17 +745,13 @@ def analyse(trainer: SimTrainer, hosts: list[dict], spec: SimSpec, *, workers: i
 
 
 def worker_critical_path(sims: dict[str, float], calls: dict[str, list[float]]) -> float:
-    """Seconds per group that a simulated worker spends in the control plane before it can generate: one
-    newest-version check and one granted lease per group, plus every weight pull and install. (Refused leases
-    and their checks are admission waits; scoring, put and complete run in the worker's pool, beside the next
+    """Seconds per group that a simulated worker spends in the control plane before it can generate: one granted
+    lease per group (it carries the weights version to install), plus every weight pull and install. (Refused
+    leases are admission waits; scoring, put and complete run in the worker's pool, beside the next
     generation.)"""
     groups = max(1.0, sims["groups"])
-    count, total = lambda k: calls.get(k, [0, 0.0])[0], lambda k: calls.get(k, [0, 0.0])[1]
-    check = total("weight_store.latest_version") / max(1, count("weight_store.latest_version"))
-    lease = total("dispatcher.lease (granted)") / max(1, count("dispatcher.lease (granted)"))
-    checks_all = total("weight_store.latest_version")
-    pulls = max(0.0, sims["weights_s"] - checks_all)  # store.get + the object's ray.get + the install
-    return check + lease + pulls / groups
+    granted = calls.get("dispatcher.lease (granted)", [0, 0.0])
+    return granted[1] / max(1, granted[0]) + sims["weights_s"] / groups  # weights_s: store.get, ray.get, install
 
 
 def calls_in_window(now: dict, before: dict) -> dict[str, list[float]]:
@@ -807,8 +803,8 @@ def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None
             f"{100 * r['learner_cp_frac']:.2f} % of a step ({step_model:.0f} model-s = {step_model / S:.2f} s real). "
             f"At full scale it lies between {100 * r['learner_cp_frac'] / S:.3f} % (all of it fixed per-call cost, "
             f"which compression inflates {S:g}x) and {100 * r['learner_cp_frac']:.2f} % (all of it byte copies)")
-    printer(f"control plane, worker side:  {fmt_ms(r['worker_cp_s'])} per group before generating (a version "
-            f"check, a granted lease, weight pulls and installs) = {100 * r['worker_cp_frac']:.2f} % of a group's "
+    printer(f"control plane, worker side:  {fmt_ms(r['worker_cp_s'])} per group before generating (a granted "
+            f"lease, weight pulls and installs) = {100 * r['worker_cp_frac']:.2f} % of a group's "
             f"generation; scoring + put + complete run beside the next generation: "
             f"{fmt_ms(sims['put_s'] / max(1.0, sims['groups']))} of put + complete per group; "
             f"{sims['weight_pulls']:.0f} weight pulls for {sims['groups']:.0f} groups (only a granted lease pulls)")
@@ -825,15 +821,13 @@ def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None
     printer(f"  machine: busy {100 * r['machine_busy']:.0f} % of {os.cpu_count()} cores; processes outside this run "
             f"used {r['outside_cores']:.2f} cores")
     refused = calls.get("dispatcher.lease (refused)", [0, 0.0])[0]
-    check = calls.get("weight_store.latest_version", [1, 0.0])
-    # a worker's idle_s runs from its refused lease call to its next version check: it holds the lease's wait
-    waiting_s = sims["idle_s"] + refused * check[1] / max(1, check[0])
+    waiting_s = sims["idle_s"]  # from a refused lease call's start to the next lease call
     waiting = waiting_s / max(1e-9, r["wall_s"])
     printer(f"  admission waits: {100 * waiting_s / max(1e-9, sims['wall_s']):.1f} % of worker time, {waiting:.1f} "
             f"simulated workers on average, polling {refused / max(1e-9, r['wall_s']):.0f} refused leases/s (each: "
-            + (f"version check + a lease that waits up to {spec.lease_wait_s:g} s in the dispatcher + should_stop)"
+            + (f"a lease that waits up to {spec.lease_wait_s:g} s in the dispatcher + should_stop)"
                if spec.lease_wait_s > 0 else
-               f"version check + lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
+               f"lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
                f"time, so at full scale as many waiting workers send the dispatcher up to "
                f"{2 * waiting / spec.poll_s:.0f} calls/s"))
 

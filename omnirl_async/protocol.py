@@ -102,6 +102,9 @@ class PromptLease(msgspec.Struct, kw_only=True):
     ticket: int = -1  # global training order of this prompt group (see actors/staleness.py)
     max_lag: int | None = None  # the staleness threshold it was admitted under (its samples keep it); None = none
     fields: dict[str, Any] | None = None  # the other fields of the prompt's dataset row, for the reward; None = none
+    #: the oldest weights version the group may be generated with: the one admission counted on (the newest
+    #: published version the dispatcher knew of, or the worker's own if newer); None = no requirement
+    weights_version: int | None = None
 
 
 class WeightsInfo(msgspec.Struct, kw_only=True):

@@ -130,7 +130,7 @@ def test_quick_run_end_to_end(tmp_path):
     assert r["bound_held"] and r["max_lag"] <= r["threshold"]
     assert r["exactly_once"], r["exactly_once_text"]
     assert r["trained_samples"] > 0 and sum(r["lags"].values()) == r["trained_samples"]
-    # the simulated workers spoke the real protocol: leases, puts with producer ids, completions, weight checks
-    for call in ("dispatcher.lease (granted)", "dispatcher.complete", "buffer.put", "weight_store.latest_version",
+    # the simulated workers spoke the real protocol: leases, puts with producer ids, completions, weight pulls
+    for call in ("dispatcher.lease (granted)", "dispatcher.complete", "buffer.put", "weight_store.get",
                  "buffer.sample_tickets"):
         assert r["calls"].get(call, [0])[0] > 0, call

@@ -74,7 +74,9 @@ class PromptDispatcher(LockedState):
         self._lock = threading.Lock()
         #: notified whenever a refused lease might now be granted (waiting leases, see ``lease(wait_s=...)``)
         self._changed = threading.Condition(self._lock)
-        self._updates_seen = 0  # learner updates announced (a waiting lease returns so the worker takes weights)
+        #: the newest weights version the trainer announced as published (``on_update(published_version=)``): a
+        #: lease is admitted as if its worker held it, and the worker installs it before generating
+        self._published: int | None = None
         self._next_ticket = 0
         self._done_frontier = 0  # every ticket below this one is completed
         self._done_above: set[int] = set()
@@ -140,20 +142,30 @@ class PromptDispatcher(LockedState):
         ``wait_s`` > 0: when nothing can be leased, wait up to that long for
         something that may change it (a learner update, leases given back or
         requeued, a new threshold, un-pausing, stop) instead of returning at
-        once – one call per wait instead of a poll every few milliseconds. It
-        returns early, possibly empty, on a learner update (so that the worker
-        takes the new weights first) and on stop. The actor needs a thread per
-        waiting worker (``max_concurrency``).
+        once – one call per wait instead of a poll every few milliseconds. A
+        learner update that publishes weights admits waiting leases at the new
+        version at once (they return granted; the others keep waiting), so no
+        worker has to come back to learn the version first. Returns early,
+        empty, on stop. The actor needs a thread per waiting worker
+        (``max_concurrency``).
+
+        Each lease carries ``weights_version``: the version admission counted
+        on, ``max(worker_version, newest published)``; the worker installs that
+        version or a newer one before generating.
         """
         deadline = time.monotonic() + max(0.0, float(wait_s))
         with self._lock:
-            updates = self._updates_seen
             while True:
                 out = self._lease_locked(num, global_step, worker_id, worker_version, cross_epoch)
                 left = deadline - time.monotonic()
-                if out or left <= 0 or self._stopped or self._updates_seen != updates:
+                if out or left <= 0 or self._stopped:
                     return out
                 self._changed.wait(left)
+
+    def published_version(self) -> int | None:
+        """The newest weights version announced as published (None before the first announcement)."""
+        with self._lock:
+            return self._published
 
     def _lease_locked(self, num: int, global_step: int | None, worker_id: str, worker_version: int | None,
                       cross_epoch: bool) -> list[PromptLease]:
@@ -161,10 +173,13 @@ class PromptDispatcher(LockedState):
         if self._paused or self._stopped:
             return out
         bound = self.admission.bound() if self.admission is not None else None  # travels as max_lag
+        if self._published is not None and (worker_version is None or worker_version < self._published):
+            worker_version = self._published  # the worker installs it before generating (lease.weights_version)
         while len(out) < num:
             lease = self._take_returned(worker_version)
             if lease is not None:  # same ticket, group uid and seed; a new lease id, admitted again now
-                lease = PromptLease(**{**_fields(lease), "lease_id": new_uid(), "max_lag": bound})
+                lease = PromptLease(**{**_fields(lease), "lease_id": new_uid(), "max_lag": bound,
+                                       "weights_version": worker_version})
             else:
                 if not self._admits(self._next_ticket, worker_version):
                     break
@@ -178,7 +193,7 @@ class PromptDispatcher(LockedState):
                 lease = PromptLease(lease_id=new_uid(), group_uid=new_uid(), prompt=self.prompts[i],
                                     epoch=self.epoch, index=i, n=self.n, seed=seed, global_step=step,
                                     negative_prompt=self.negative_prompt, ticket=self._next_ticket,
-                                    max_lag=bound, fields=self._fields_of(i))
+                                    max_lag=bound, fields=self._fields_of(i), weights_version=worker_version)
                 self._next_ticket += 1
             self._outstanding[lease.lease_id] = (lease, worker_id)
             out.append(lease)
@@ -295,13 +310,20 @@ class PromptDispatcher(LockedState):
         with self._lock:
             return self._next_ticket
 
-    def on_update(self, updates_done: int, time_progress: float | None = None) -> None:
+    def on_update(self, updates_done: int, time_progress: float | None = None, *,
+                  published_version: int | None = None) -> None:
         """The learner finished ``updates_done`` updates (admission capacity grows); ``time_progress``: the share
-        of ``trainer.total_time_minutes`` trained so far (sizes updates laid out from now on)."""
+        of ``trainer.total_time_minutes`` trained so far (sizes updates laid out from now on);
+        ``published_version``: the weights version the weight store now holds as its newest (announce it only
+        once a worker can fetch it): leases from now on are admitted at it and ask their worker to install it."""
         if self.admission is not None:
             self.admission.on_update(updates_done, time_progress)
         with self._lock:
-            self._updates_seen += 1
+            if published_version is not None:
+                if self._published is not None and published_version < self._published:
+                    raise ValueError(f"`published_version` {published_version} is older than the announced "
+                                     f"{self._published}; versions only grow")
+                self._published = published_version
             self._wake()
 
     def set_threshold(self, threshold: int) -> None:

@@ -156,16 +156,13 @@ class RolloutWorker:
         t_start = time.perf_counter()
         inflight: deque = deque()
         while True:
-            # Lease first, pull after: admission is asked for the newest published version, and the weights are
-            # fetched only once a lease is granted. A worker refused a lease (a learner-bound run: most of them,
-            # after every update) pulls nothing. What it then installs is that version or a later one, so its
-            # group lags no more than admission allowed.
+            # Lease first, pull after: admission counts on the newest published version the dispatcher knows
+            # (``lease.weights_version``), and the weights are fetched only once a lease is granted. A worker
+            # refused a lease (a learner-bound run: most of them, after every update) pulls nothing. What it then
+            # installs is that version or a later one, so its group lags no more than admission allowed.
             t0 = time.perf_counter()
-            latest = ray.get(store.latest_version.remote())
-            t1 = time.perf_counter()
-            self.counters["weights_s"] += t1 - t0
             leases = ray.get(dispatcher.lease.remote(1, global_step=None, worker_id=worker_id,
-                                                     worker_version=max(self.version, latest), wait_s=lease_wait_s))
+                                                     worker_version=self.version, wait_s=lease_wait_s))
             if not leases:
                 # Only the trainer ends the loop: a run whose prompts are all leased may still hand out
                 # refills (a group evicted for failed members) or leases of a worker that died.
@@ -173,13 +170,20 @@ class RolloutWorker:
                     break
                 if lease_wait_s <= 0:
                     time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)
-                self.counters["idle_s"] += time.perf_counter() - t1
+                self.counters["idle_s"] += time.perf_counter() - t0
                 continue
-            t2 = time.perf_counter()
-            info = self._install_newest(store, latest=latest)
-            if info is not None:
-                self.counters["weights_bytes"] += info.num_bytes
-                self.counters["weight_pulls"] += 1
+            need = leases[0].weights_version
+            if need is not None and need > self.version:
+                t2 = time.perf_counter()
+                info = self._install_newest(store, latest=need)
+                if self.version < need:
+                    raise RuntimeError(
+                        f"worker {worker_id}: lease {leases[0].lease_id} was admitted for weights version {need}, "
+                        f"but the weight store's newest is {self.version}; the trainer must announce a version "
+                        "(`on_update(published_version=)`) only after the store holds it")
+                if info is not None:  # None: a validation pull installed it meanwhile
+                    self.counters["weights_bytes"] += info.num_bytes
+                    self.counters["weight_pulls"] += 1
                 self.counters["weights_s"] += time.perf_counter() - t2
             group = self._sample_group(leases[0], self.window.select(leases[0].global_step))
             if slowdown_s:

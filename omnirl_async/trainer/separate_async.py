@@ -161,7 +161,8 @@ class SeparateAsyncTrainer(BaseTrainer):
             info = pending.result()
         else:
             info = self.learners.publish(self.store, self.version)
-        self.dcall("on_update", self.global_step, self.time_progress())
+        # announced once the store holds it: leases are admitted at this version and their workers install it
+        self.dcall("on_update", self.global_step, self.time_progress(), published_version=info.version)
         return {"timing_s/update_weights": time.perf_counter() - t0,
                 "perf/weight_sync_bytes": float(info.num_bytes)}
 

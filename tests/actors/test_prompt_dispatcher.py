@@ -185,14 +185,43 @@ def test_a_refused_lease_waits_until_something_changes(wake):
         assert got == [] and 1.9 < waited < 3.0
 
 
-def test_a_waiting_lease_returns_on_a_learner_update_so_the_worker_takes_new_weights():
+def test_an_update_that_publishes_a_version_grants_a_waiting_lease_at_that_version():
+    """The trainer announces the published version with the update: a waiting lease is admitted at it at once
+    (no round trip to learn the version first) and asks its worker to install it."""
+    import threading
+    import time
+
+    d = _refusing_dispatcher()
+    held = d.outstanding()[0]
+    assert held.weights_version == 0  # nothing announced yet: the worker's own version
+    threading.Timer(0.3, lambda: d.on_update(1, published_version=1)).start()
+    t = time.monotonic()
+    got = d.lease(1, global_step=None, worker_version=0, wait_s=5.0)
+    assert 0.25 < time.monotonic() - t < 1.5
+    assert [(x.ticket, x.weights_version) for x in got] == [(1, 1)]
+    # a worker already past the announced version keeps its own
+    d.on_update(2, published_version=2)
+    assert [x.weights_version for x in d.lease(1, global_step=None, worker_version=5)] == [5]
+    assert d.published_version() == 2
+
+
+def test_an_update_without_a_new_version_leaves_a_refused_lease_waiting():
+    """``parameter_sync_step`` > 1: an update that publishes nothing does not admit a worker whose version is too
+    old; the lease keeps waiting (no early return to re-ask) and comes back empty at its deadline."""
     import threading
     import time
 
     d = _refusing_dispatcher()
     threading.Timer(0.3, d.on_update, args=(1,)).start()
     t = time.monotonic()
-    got = d.lease(1, global_step=None, worker_version=0, wait_s=5.0)
-    assert time.monotonic() - t < 2.0
-    # back early: a worker still at version 0 may or may not be admitted; one at version 1 is
-    assert len(got) + len(d.lease(1, global_step=None, worker_version=1)) >= 1
+    assert d.lease(1, global_step=None, worker_version=0, wait_s=1.5) == []
+    assert time.monotonic() - t > 1.4
+
+
+def test_a_published_version_only_grows():
+    d = PromptDispatcher(["a", "b"], n=2)
+    d.on_update(0, published_version=3)
+    with pytest.raises(ValueError, match="`published_version` 2 is older than the announced 3"):
+        d.on_update(1, published_version=2)
+    assert d.published_version() == 3
+    assert d.lease(1, global_step=1, worker_version=None)[0].weights_version == 3

@@ -28,3 +28,19 @@ def test_an_older_version_is_refused_or_with_if_newer_left_alone(small_overrides
     after = {k: v.detach().cpu().numpy() for k, v in worker.policy.lora_state_dict().items()}
     assert all(np.array_equal(after[k], installed[k]) for k in installed)
     assert worker.get_version() == 2
+
+
+def test_a_lease_for_a_version_the_store_lacks_stops_the_loop_with_the_reason(ray_cluster, small_overrides):
+    """The dispatcher admitted a lease for version 3 (announced), but the weight store's newest is 1: generating
+    with version 1 would break the staleness bound admission counted on, so the loop fails, naming both versions."""
+    from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
+    from omnirl_async.learners.weight_store import WeightStore, publish_weights
+
+    worker = RolloutWorker(load_config(small_overrides))
+    store = ray_cluster.remote(num_cpus=0)(WeightStore).remote(keep=2)
+    publish_weights(store, 1, _lora(worker, 0.01), is_lora=True)
+    dispatcher = ray_cluster.remote(num_cpus=0)(PromptDispatcher).remote(["one red circle"], n=2, batch_groups=1)
+    ray_cluster.get(dispatcher.on_update.remote(0, published_version=3))
+    with pytest.raises(RuntimeError, match="admitted for weights version 3, but the weight store's newest is 1"):
+        worker.run_loop(dispatcher, store, None, worker_id="w0", lease_wait_s=0.5)
+    assert worker.get_version() == 1
