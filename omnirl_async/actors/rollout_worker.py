@@ -147,8 +147,10 @@ class RolloutWorker:
         A lease that admission control refuses waits in the dispatcher up to
         ``lease_wait_s`` for something to change (a learner update, a lease given
         back, ...; ``PromptDispatcher.lease(wait_s=...)``) – one call per wait
-        instead of three calls every ``poll_s``; with ``lease_wait_s=0`` the loop
-        polls every ``poll_s``. ``slowdown_s`` adds a sleep per group (tests and
+        instead of two calls every ``poll_s``; with ``lease_wait_s=0`` the loop
+        polls every ``poll_s``. A granted lease names the weights version to
+        generate with at least (``lease.weights_version``); the worker pulls
+        only then. ``slowdown_s`` adds a sleep per group (tests and
         benchmarks of stragglers). Returns the final counters.
         """
         import ray
