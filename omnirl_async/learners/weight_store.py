@@ -5,10 +5,11 @@ The learner (rank 0) sends the LoRA state dict – or the whole transformer when
 object store **once** per version and so owns it: the weights outlive the
 learner process that produced them (objects die with their owner, and Ray
 2.56 removed ``ray.put(..., _owner=...)``, so the owner must do the put).
-Rollout workers ask for the newest version number between requests (a cheap
-call) and fetch the tensors only when it changed and they were granted a
-lease to generate with it; numpy arrays come back as zero-copy views of
-shared memory.
+The trainer announces each version to the prompt dispatcher once it is held
+here; a granted lease names the version its group needs
+(``PromptLease.weights_version``) and the rollout worker fetches the tensors
+only when that is newer than what it holds; numpy arrays come back as
+zero-copy views of shared memory.
 
 The store keeps the newest ``keep`` versions so a worker that fetched the
 number of version ``v`` can still get it after ``v+1`` appeared.
