@@ -261,6 +261,10 @@ class _TimedMethod:
         dt = time.perf_counter() - t0
         name = self._name
         if name == "dispatcher.lease":  # a granted lease is on the worker's critical path, a refused one is waiting
+            waited = max((lease.admission_wait_s for lease in value), default=0.0)
+            if waited > 0:  # granted after waiting for admission: the wait (up to the change that admitted it)
+                self._clock.add(name + " (admission wait, then granted)", waited)  # is not control-plane cost
+                dt -= waited
             name += " (granted)" if value else " (refused)"
         self._clock.add(name, dt)
         return ref  # the caller's ray.get finds the value already here

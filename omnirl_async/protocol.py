@@ -105,6 +105,8 @@ class PromptLease(msgspec.Struct, kw_only=True):
     #: the oldest weights version the group may be generated with: the one admission counted on (the newest
     #: published version the dispatcher knew of, or the worker's own if newer); None = no requirement
     weights_version: int | None = None
+    #: seconds the lease call waited in the dispatcher for admission before this lease was granted (0: at once)
+    admission_wait_s: float = 0.0
 
 
 class WeightsInfo(msgspec.Struct, kw_only=True):

@@ -77,6 +77,7 @@ class PromptDispatcher(LockedState):
         #: the newest weights version the trainer announced as published (``on_update(published_version=)``): a
         #: lease is admitted as if its worker held it, and the worker installs it before generating
         self._published: int | None = None
+        self._woken_at = 0.0  # monotonic time of the last change that may admit a waiting lease
         self._next_ticket = 0
         self._done_frontier = 0  # every ticket below this one is completed
         self._done_above: set[int] = set()
@@ -151,16 +152,24 @@ class PromptDispatcher(LockedState):
 
         Each lease carries ``weights_version``: the version admission counted
         on, ``max(worker_version, newest published)``; the worker installs that
-        version or a newer one before generating.
+        version or a newer one before generating; and ``admission_wait_s``, how
+        long this call waited, up to the change that admitted the lease.
         """
-        deadline = time.monotonic() + max(0.0, float(wait_s))
+        start = time.monotonic()
+        deadline = start + max(0.0, float(wait_s))
+        waited = False
         with self._lock:
             while True:
                 out = self._lease_locked(num, global_step, worker_id, worker_version, cross_epoch)
-                left = deadline - time.monotonic()
-                if out or left <= 0 or self._stopped:
+                now = time.monotonic()
+                if out or now >= deadline or self._stopped:
+                    if out and waited:  # the wait ends at the change that admitted it; what follows is delivery
+                        end = self._woken_at if start < self._woken_at <= now else now
+                        for lease in out:
+                            lease.admission_wait_s = end - start
                     return out
-                self._changed.wait(left)
+                self._changed.wait(deadline - now)
+                waited = True
 
     def published_version(self) -> int | None:
         """The newest weights version announced as published (None before the first announcement)."""
@@ -179,7 +188,7 @@ class PromptDispatcher(LockedState):
             lease = self._take_returned(worker_version)
             if lease is not None:  # same ticket, group uid and seed; a new lease id, admitted again now
                 lease = PromptLease(**{**_fields(lease), "lease_id": new_uid(), "max_lag": bound,
-                                       "weights_version": worker_version})
+                                       "weights_version": worker_version, "admission_wait_s": 0.0})
             else:
                 if not self._admits(self._next_ticket, worker_version):
                     break
@@ -220,6 +229,7 @@ class PromptDispatcher(LockedState):
 
     def _wake(self) -> None:
         """Under the lock: waiting leases look again."""
+        self._woken_at = time.monotonic()
         self._changed.notify_all()
 
     def complete(self, lease_ids: list[str]) -> None:

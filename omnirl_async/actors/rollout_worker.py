@@ -174,6 +174,7 @@ class RolloutWorker:
                     time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)
                 self.counters["idle_s"] += time.perf_counter() - t0
                 continue
+            self.counters["idle_s"] += leases[0].admission_wait_s  # granted after waiting for admission
             need = leases[0].weights_version
             if need is not None and need > self.version:
                 t2 = time.perf_counter()

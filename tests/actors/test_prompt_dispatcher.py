@@ -199,6 +199,7 @@ def test_an_update_that_publishes_a_version_grants_a_waiting_lease_at_that_versi
     got = d.lease(1, global_step=None, worker_version=0, wait_s=5.0)
     assert 0.25 < time.monotonic() - t < 1.5
     assert [(x.ticket, x.weights_version) for x in got] == [(1, 1)]
+    assert 0.25 < got[0].admission_wait_s < 0.6 and held.admission_wait_s == 0.0  # waited for the update
     # a worker already past the announced version keeps its own
     d.on_update(2, published_version=2)
     assert [x.weights_version for x in d.lease(1, global_step=None, worker_version=5)] == [5]
