@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import warnings
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -36,7 +37,12 @@ GeneratedBatch = tuple[list[SampleMeta], dict[str, np.ndarray], dict[str, float]
 
 
 def _to_tensor_dict(weights: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {k: torch.as_tensor(np.array(v)) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
+    """Tensors over the fetched arrays, without copying them: the weight store's arrays come back as read-only
+    views of Ray's shared memory, and the strict load only reads them (it copies each into its parameter), so
+    the one copy an install makes is the one into the model (not a second, whole-state copy first)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
 
 
 def lower_cpu_priority(increment: int) -> int:

@@ -30,6 +30,31 @@ def test_an_older_version_is_refused_or_with_if_newer_left_alone(small_overrides
     assert worker.get_version() == 2
 
 
+def test_read_only_arrays_from_shared_memory_install_without_a_copy_or_a_warning(small_overrides):
+    """The weight store's arrays come back read-only (views of Ray's shared memory): they are installed as they
+    are – no whole-state copy first, no "not writable" warning – and stay as they were."""
+    import warnings
+
+    from omnirl_async.actors.rollout_worker import _to_tensor_dict
+
+    worker = RolloutWorker(load_config(small_overrides))
+    fetched = _lora(worker, 0.03)
+    for v in fetched.values():
+        v.flags.writeable = False
+    before = {k: v.copy() for k, v in fetched.items()}
+    tensors = _to_tensor_dict(fetched)
+    key = next(iter(fetched))
+    assert tensors[key].data_ptr() == fetched[key].ctypes.data  # a view, not a copy
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert worker.set_weights(1, fetched) == 1
+    installed = {k: v.detach().cpu().numpy() for k, v in worker.policy.lora_state_dict().items()}
+    assert all(np.array_equal(installed[k], before[k]) for k in before)
+    assert all(np.array_equal(fetched[k], before[k]) for k in before)
+    # the model's parameters are its own memory, not the (read-only, soon released) shared arrays
+    assert all(p.data_ptr() != fetched[key].ctypes.data for p in worker.policy.transformer.parameters())
+
+
 def test_a_lease_for_a_version_the_store_lacks_stops_the_loop_with_the_reason(ray_cluster, small_overrides):
     """The dispatcher admitted a lease for version 3 (announced), but the weight store's newest is 1: generating
     with version 1 would break the staleness bound admission counted on, so the loop fails, naming both versions."""
