@@ -829,7 +829,8 @@ def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None
     waiting = waiting_s / max(1e-9, r["wall_s"])
     printer(f"  admission waits: {100 * waiting_s / max(1e-9, sims['wall_s']):.1f} % of worker time, {waiting:.1f} "
             f"simulated workers on average, polling {refused / max(1e-9, r['wall_s']):.0f} refused leases/s (each: "
-            + (f"a lease that waits up to {spec.lease_wait_s:g} s in the dispatcher + should_stop)"
+            + (f"a lease that waits up to {spec.lease_wait_s:g} s in the dispatcher; should_stop only when a wait "
+               "ended early)"
                if spec.lease_wait_s > 0 else
                f"lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
                f"time, so at full scale as many waiting workers send the dispatcher up to "

@@ -153,10 +153,10 @@ class RolloutWorker:
         A lease that admission control refuses waits in the dispatcher up to
         ``lease_wait_s`` for something to change (a learner update, a lease given
         back, ...; ``PromptDispatcher.lease(wait_s=...)``) – one call per wait
-        instead of two calls every ``poll_s``; with ``lease_wait_s=0`` the loop
-        polls every ``poll_s``. A granted lease names the weights version to
-        generate with at least (``lease.weights_version``); the worker pulls
-        only then. ``slowdown_s`` adds a sleep per group (tests and
+        instead of two calls every ``poll_s`` (``should_stop`` is asked only
+        when a wait ended early); with ``lease_wait_s=0`` the loop polls every
+        ``poll_s``. A granted lease names the weights version to generate with
+        at least (``lease.weights_version``); the worker pulls only then. ``slowdown_s`` adds a sleep per group (tests and
         benchmarks of stragglers). Returns the final counters.
         """
         import ray
@@ -173,8 +173,11 @@ class RolloutWorker:
                                                      worker_version=self.version, wait_s=lease_wait_s))
             if not leases:
                 # Only the trainer ends the loop: a run whose prompts are all leased may still hand out
-                # refills (a group evicted for failed members) or leases of a worker that died.
-                if ray.get(dispatcher.should_stop.remote()):
+                # refills (a group evicted for failed members) or leases of a worker that died. A waiting lease
+                # comes back empty before its wait is up only on stop, so one that waited it all out timed out
+                # and the stop question is skipped (a stop landing just then ends the next lease at once).
+                if ((lease_wait_s <= 0 or time.perf_counter() - t0 < lease_wait_s)
+                        and ray.get(dispatcher.should_stop.remote())):
                     break
                 if lease_wait_s <= 0:
                     time.sleep(poll_s)  # admission control says wait (or paused, or nothing left yet)

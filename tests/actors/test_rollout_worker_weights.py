@@ -69,3 +69,49 @@ def test_a_lease_for_a_version_the_store_lacks_stops_the_loop_with_the_reason(ra
     with pytest.raises(RuntimeError, match="admitted for weights version 3, but the weight store's newest is 1"):
         worker.run_loop(dispatcher, store, None, worker_id="w0", lease_wait_s=0.5)
     assert worker.get_version() == 1
+
+
+def test_a_waiting_lease_that_times_out_skips_the_stop_question_and_a_stop_still_ends_the_loop(
+        ray_cluster, small_overrides):
+    """A paused dispatcher refuses every lease: each waits its whole ``lease_wait_s`` and comes back empty, which
+    only a timeout does, so the loop does not ask ``should_stop`` after it (one call per wait, not two); a stop
+    wakes the waiting lease early, and the loop then asks and ends."""
+    import threading
+    import time
+
+    from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
+    from omnirl_async.learners.weight_store import WeightStore
+
+    class CountingDispatcher(PromptDispatcher):
+        asked = 0
+
+        def should_stop(self) -> bool:
+            self.asked += 1
+            return super().should_stop()
+
+        def times_asked(self) -> int:
+            return self.asked
+
+    worker = RolloutWorker(load_config(small_overrides))
+    store = ray_cluster.remote(num_cpus=0)(WeightStore).remote(keep=2)
+    dispatcher = ray_cluster.remote(num_cpus=0, max_concurrency=4)(CountingDispatcher).remote(
+        ["one red circle"], n=2, batch_groups=1)
+    ray_cluster.get(dispatcher.pause.remote())
+    done, errors = threading.Event(), []
+
+    def loop():
+        try:
+            worker.run_loop(dispatcher, store, None, worker_id="w0", lease_wait_s=0.3)
+        except BaseException as err:  # reported below, with the assertion that the loop ended
+            errors.append(err)
+        done.set()
+
+    threading.Thread(target=loop, daemon=True).start()
+    time.sleep(1.5)  # about 5 waits of 0.3 s, all timed out
+    assert not done.is_set()
+    assert ray_cluster.get(dispatcher.times_asked.remote()) == 0
+    t_stop = time.monotonic()
+    ray_cluster.get(dispatcher.stop.remote())
+    assert done.wait(10) and not errors, f"a stop must end the loop cleanly: {errors}"
+    assert time.monotonic() - t_stop < 2.0
+    assert 1 <= ray_cluster.get(dispatcher.times_asked.remote()) <= 2
