@@ -52,6 +52,7 @@ def test_two_gloo_learners_match_one(ray_cluster, small_overrides, batch):
     assert results[2][1]["actor/num_updates"] == results[1][1]["actor/num_updates"] == 2.0
 
 
+@pytest.mark.slow  # 15-20 s of Ray learner actors each; `make test` keeps the loop's use of it (test_one_loop)
 def test_an_update_started_on_staged_fields_equals_a_blocking_one(ray_cluster, small_overrides, batch):
     """separate_async stages the next batch ahead and starts the update without waiting; a call made before
     ``result()`` runs after the update (the actor serves calls in order)."""
@@ -81,6 +82,7 @@ def test_an_update_started_on_staged_fields_equals_a_blocking_one(ray_cluster, s
     np.testing.assert_allclose([m_start[k] for k in same], [m_block[k] for k in same], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow  # 15-20 s of Ray learner actors each; `make test` keeps the loop's use of it (test_one_loop)
 def test_a_publish_started_between_two_started_updates_holds_the_first_updates_weights(ray_cluster,
                                                                                         small_overrides, batch):
     """separate_async starts update u+1 right after update u, with rank 0's publish of u's weights between them and
