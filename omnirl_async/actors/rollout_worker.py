@@ -156,8 +156,9 @@ class RolloutWorker:
         instead of two calls every ``poll_s`` (``should_stop`` is asked only
         when a wait ended early); with ``lease_wait_s=0`` the loop polls every
         ``poll_s``. A granted lease names the weights version to generate with
-        at least (``lease.weights_version``); the worker pulls only then. ``slowdown_s`` adds a sleep per group (tests and
-        benchmarks of stragglers). Returns the final counters.
+        at least (``lease.weights_version``); the worker pulls only then.
+        ``slowdown_s`` adds a sleep per group (tests and benchmarks of
+        stragglers). Returns the final counters.
         """
         import ray
 
@@ -236,8 +237,9 @@ class RolloutWorker:
         return self.version
 
     def _install_newest(self, store, *, latest: int | None = None):
-        """Fetch and install the store's newest weights when newer than the installed ones (``latest``: the newest
-        version as the caller just read it); returns the fetched version's ``WeightsInfo``, or None."""
+        """Fetch and install the store's newest weights when newer than the installed ones (``latest``: a version
+        the caller knows the store holds – read from it, or announced with a lease –, which saves asking for the
+        newest); returns the fetched version's ``WeightsInfo``, or None."""
         from omnirl_async.learners.weight_store import fetch_weights_if_newer
 
         newer = fetch_weights_if_newer(store, self.version, latest=latest)

@@ -81,8 +81,10 @@ def fetch_weights_if_newer(store, have_version: int, *, latest: int | None = Non
                            ) -> tuple[WeightsInfo, dict[str, np.ndarray]] | None:
     """The newest weights when they are newer than ``have_version``, else None (one cheap call).
 
-    ``latest``: the store's newest version as the caller just read it (saves that call). What comes back is then
-    the newest version the store holds *now*, which is ``latest`` or a later one.
+    ``latest``: a version the caller knows the store holds – its newest as the caller just read it, or the one a
+    lease was admitted for (``PromptLease.weights_version``) – which saves asking for the newest. What comes back
+    is then the newest version the store holds *now*: ``latest`` or a later one (an older one only if the store
+    never held ``latest``, which the rollout loop refuses).
     """
     import ray
 
