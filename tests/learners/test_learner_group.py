@@ -16,6 +16,7 @@ from omnirl_async.actors.rollout_worker import RolloutWorker
 from omnirl_async.config import load_config
 from omnirl_async.learners.learner import Learner
 from omnirl_async.learners.learner_group import LearnerDiedError, LearnerGroup, wait_for_learners
+from tests.ray_kill import kill_and_wait_until_dead
 
 PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
 
@@ -193,14 +194,7 @@ def test_a_dead_rank_is_reported_at_once_while_another_still_works(ray_cluster):
 
     alive, doomed = Sleeper.remote(), Sleeper.remote()
     ray.get([alive.nap.remote(0), doomed.nap.remote(0)])
-    ray.kill(doomed)
-    deadline = time.monotonic() + 30  # ray.kill is asynchronous: on a loaded machine a call may still get through
-    while True:
-        try:
-            ray.get(doomed.nap.remote(0), timeout=10)
-        except ray.exceptions.RayActorError:
-            break
-        assert time.monotonic() < deadline, "the killed actor still answers after 30 s"
+    kill_and_wait_until_dead(doomed)
     t0 = time.monotonic()
     with pytest.raises(LearnerDiedError) as info:
         wait_for_learners({0: alive.nap.remote(20.0), 1: doomed.nap.remote(0.0)}, "get_state", 60)
@@ -276,7 +270,7 @@ def test_two_learners_skip_the_same_nonfinite_step(two_learners, batch):
 def test_a_killed_learner_is_one_clear_error(two_learners, batch):
     """Runs last on the shared group: rank 1 dies, `update` names it at once though rank 0 waits in gloo."""
     fields, gids = batch
-    ray.kill(two_learners.actors[1])
+    kill_and_wait_until_dead(two_learners.actors[1])
     t0 = time.monotonic()
     with pytest.raises(LearnerDiedError) as info:
         two_learners.update(fields, gids)

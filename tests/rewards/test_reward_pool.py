@@ -11,6 +11,7 @@ from omnirl_async.config import load_config
 from omnirl_async.data.shapes import render_batch
 from omnirl_async.rewards import RewardManager
 from omnirl_async.rewards.worker_pool import RewardPool, make_reward_actors
+from tests.ray_kill import kill_and_wait_until_dead
 
 PROMPTS = ["a red circle", "two blue squares", "a green triangle above a white circle", "three yellow triangles"]
 
@@ -49,16 +50,14 @@ def test_pool_scores_equal_inline_scores_and_rotate_over_actors(ray_cluster):
 
 @pytest.mark.slow  # a failure path of the pool; the pool itself is covered fast above
 def test_dead_actor_is_skipped_and_no_actor_left_fails_the_group_with_a_reason(ray_cluster):
-    import ray
-
     actors = make_reward_actors(_reward_cfg("reward.num_workers=2", "reward.num_cpus_per_worker=0.5"))
     pool = RewardPool(actors)
-    ray.kill(actors[0])
+    kill_and_wait_until_dead(actors[0])
     for _ in range(3):  # every call lands on the survivor, whichever actor the rotation tries first
         res = pool(_images(), PROMPTS)
         assert not res.failed.any() and res.scores.max() > 0
     assert pool.alive == 1
-    ray.kill(actors[1])
+    kill_and_wait_until_dead(actors[1])
     res = pool(_images(), PROMPTS)
     assert res.failed.all() and (res.scores == 0).all()
     assert "no reward worker left" in res.reasons[0] and "died" in res.reasons[0]
