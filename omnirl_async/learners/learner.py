@@ -6,7 +6,9 @@ is a chain of steps, each overridable and testable alone (RLlib's template):
 1. :meth:`prepare_batch` – numpy fields → tensors, advantages from rewards,
 2. :meth:`compute_proximal_log_probs` – the "old" log-probs recomputed with the
    current weights before any update (``bypass_mode`` skips this and uses the
-   behaviour log-probs), then rollout correction weights,
+   behaviour log-probs), then rollout correction weights; when the update's
+   own first forward provably sees the same weights (one epoch, one
+   mini-batch: :mod:`.proximal`), they are read off that forward instead,
 3. :meth:`compute_losses` – per mini-batch / micro-batch / trained SDE step:
    velocity → SDE log-prob of the stored next latents → loss (plus, with
    ``actor.use_distill_loss``, :meth:`distill_loss`: ``distill_loss_coef`` times
@@ -54,6 +56,7 @@ import torch.distributed as dist
 
 from omnirl_async.algos import compute_rollout_correction, get_diffusion_adv_estimator_fn, get_diffusion_loss_fn
 from omnirl_async.algos.losses.distill import DISTILL_METRIC, distill_term
+from omnirl_async.learners import proximal
 from omnirl_async.models.data_parallel import Group
 from omnirl_async.models.policy import PromptEmbeds
 from omnirl_async.models.sde import SDEStepOutput, sde_step_with_logprob
@@ -130,6 +133,7 @@ class Learner:
             self.actor_cfg.diffusion_loss, self.actor_cfg)
         self.adv_fn = get_diffusion_adv_estimator_fn(self.algo_cfg.adv_estimator)
         self.global_step = 0
+        self._fused_proximal = False  # True while an update reads its proximal log-probs off its own forward
         self.nonfinite_steps = 0  # skipped optimizer steps so far
         self.consecutive_nonfinite = 0  # skipped optimizer steps since the last applied one
         # the same on every rank: ranks must agree on mini-batch permutations and trained steps
@@ -261,9 +265,30 @@ class Learner:
         """How many of a sample's steps one mini-batch trains (``algorithm.timestep_fraction``)."""
         return max(1, int(math.ceil(num_steps * self.algo_cfg.timestep_fraction)))
 
+    #: Read the proximal log-probs off the update's first forward when that gives the same numbers
+    #: (:func:`.proximal.can_fuse`); False always runs the separate no-grad pass.
+    fuse_proximal: bool = True
+
     def compute_proximal(self, b: dict[str, Any], minibatches) -> None:
         """Step 2: what the loss compares the current policy with, computed before any weight moves."""
-        self.compute_proximal_log_probs(b, minibatches)
+        num_steps = self.num_steps(b)
+        self._fused_proximal = self.fuse_proximal and proximal.can_fuse(
+            self.algo_cfg.rollout_correction, ppo_epochs=self.actor_cfg.ppo_epochs, num_minibatches=len(minibatches),
+            steps_trained=self.steps_per_minibatch(num_steps), num_steps=num_steps)
+        if self._fused_proximal:
+            proximal.prepare(b)  # filled by compute_losses, finished by finish_proximal
+        else:
+            self.compute_proximal_log_probs(b, minibatches)
+
+    def finish_proximal(self, b: dict[str, Any]) -> None:
+        """After a fused update: the batch's ``rollout_corr/*`` metrics, from every rank's rows."""
+        if not self._fused_proximal:
+            return
+        self._fused_proximal = False
+        old = b["old_log_probs"]
+        if self._distributed():  # each row was filled by exactly one rank; the others hold zeros
+            old = self._all_reduce(old, dist.ReduceOp.SUM)
+        b["_metrics"].update(proximal.correction_metrics(old, b["log_probs"], self.algo_cfg.rollout_correction))
 
     @torch.no_grad()
     def compute_proximal_log_probs(self, b: dict[str, Any], minibatches) -> None:
@@ -300,8 +325,11 @@ class Learner:
         """Forward + backward over the trained steps of one micro-batch; returns summed metrics."""
         emb = _embeds_from_fields(mb).to(self.device)
         sums: dict[str, float] = {}
+        fused = self._fused_proximal
         for j in steps:
             out, v = self._step_forward(mb, j, emb, with_velocity=True)
+            if fused:  # this forward runs at the proximal weights: it is the proximal pass
+                proximal.fill_step(mb, j, out, self.algo_cfg.rollout_correction)
             model_output = {"log_prob": out.log_prob, "mean": out.mean, "std": out.std, "sig": out.sig, "dt": out.dt}
             if self.actor_cfg.use_kl_loss:  # reference = base weights (adapter disabled)
                 with self.policy.disable_adapter(), torch.no_grad():
@@ -459,6 +487,7 @@ class Learner:
                     totals[k] = totals.get(k, 0.0) + v
                 count += weight
                 updates += 1
+        self.finish_proximal(b)
         self.global_step += 1
         metrics = {k: v / max(count, 1) for k, v in totals.items()}
         metrics.update(b["_metrics"])
@@ -479,7 +508,10 @@ class Learner:
         sums: dict[str, float] = {}
         fault = None
         for i, rows in enumerate(micro_list):
-            part = self.compute_losses(self._rows(b, rows), steps, scale)
+            mb = self._rows(b, rows)
+            part = self.compute_losses(mb, steps, scale)
+            if self._fused_proximal:
+                proximal.write_back(b, mb, rows)
             loss = part.get("actor/loss", 0.0)
             if fault is None and not math.isfinite(loss):
                 fault = f"the loss `actor/loss` ({_kind(loss)}) of micro-batch {i + 1}/{len(micro_list)}"

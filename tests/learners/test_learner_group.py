@@ -31,12 +31,14 @@ def batch(small_overrides):
 
 
 @pytest.mark.slow  # two gloo learners on Ray; the timeout and death tests below stay in `make test`
-def test_two_gloo_learners_match_one(ray_cluster, small_overrides, batch):
+@pytest.mark.parametrize("epochs", [2, 1], ids=["separate-proximal-pass", "proximal-from-the-update"])
+def test_two_gloo_learners_match_one(ray_cluster, small_overrides, batch, epochs):
     fields, gids = batch
     results = {}
     for workers in (1, 2):
         cfg = load_config(small_overrides + [f"learner.num_workers={workers}",
-                                             "actor_rollout_ref.actor.ppo_epochs=2"])
+                                             f"actor_rollout_ref.actor.ppo_epochs={epochs}",
+                                             "algorithm.rollout_correction.rollout_is=token"])
         group = LearnerGroup(cfg, use_ray=True, num_threads=1)
         try:
             metrics = group.update(fields, gids)
@@ -50,7 +52,9 @@ def test_two_gloo_learners_match_one(ray_cluster, small_overrides, batch):
         np.testing.assert_allclose(w2[k], w1[k], rtol=0, atol=1e-6, err_msg=k)
         moved += int(np.abs(w1[k]).max() > 0 and "lora_B" in k)
     assert moved > 0
-    assert results[2][1]["actor/num_updates"] == results[1][1]["actor/num_updates"] == 2.0
+    assert results[2][1]["actor/num_updates"] == results[1][1]["actor/num_updates"] == epochs
+    for k in ("rollout_corr/logprob_abs_diff_mean", "rollout_corr/is_weight_mean"):  # every rank saw every row
+        assert results[2][1][k] == pytest.approx(results[1][1][k], rel=1e-4, abs=1e-7), k
 
 
 @pytest.mark.slow  # 15-20 s of Ray learner actors each; `make test` keeps the loop's use of it (test_one_loop)
