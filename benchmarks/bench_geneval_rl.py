@@ -33,7 +33,7 @@ from omnirl_async.demo import GENEVAL_RECIPE  # noqa: E402
 #: The recipe that moves held-out strict accuracy on this model (docs/shapes_model.md, "What moved strict
 #: accuracy"): coefficient-preserving SDE steps in the first 4 of 10 steps, 4 prompts x 16 samples, lr 6e-4,
 #: a training score that does not pay for extra objects, and both cores busy in both phases of a sync step
-#: (two 1-thread learner processes; no proximal recompute, which in sync mode equals the behaviour log-prob).
+#: (two 1-thread learner processes; the proximal log-probs read off the update's own forward, no extra pass).
 RL_DEFAULTS = [
     "actor_rollout_ref.model.path=embedded:shapes",
     "trainer.v1.trainer_mode=sync",

@@ -36,7 +36,10 @@ GENEVAL_RECIPE = [
     "actor_rollout_ref.rollout.algo.noise_level=0.8",
     "actor_rollout_ref.rollout.algo.sde_window_size=4",
     "actor_rollout_ref.rollout.algo.sde_window_range=[0,4]",
-    "algorithm.rollout_correction.bypass_mode=true",
+    # decoupled correction: the PPO ratio against the learner's weights at the update's start, staleness corrected
+    # by token-level IS weights. Bypass mode clips stale samples away in separate_async (README, "Time to
+    # accuracy"); with one epoch and one mini-batch the proximal log-probs cost no extra pass (learners/proximal.py)
+    "algorithm.rollout_correction.rollout_is=token",
     "+reward.reward_kwargs.penalize_extras=true",
 ]
 

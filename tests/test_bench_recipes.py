@@ -26,7 +26,8 @@ def test_geneval_rl_recipe_loads_and_its_reward_runs():
     bench = _load("bench_geneval_rl")
     cfg = load_config(bench.RL_DEFAULTS)
     assert cfg.trainer.v1.trainer_mode == "sync"
-    assert cfg.learner.num_workers == 2 and cfg.algorithm.rollout_correction.bypass_mode
+    rc = cfg.algorithm.rollout_correction  # decoupled: stale samples in separate_async are not clipped away
+    assert cfg.learner.num_workers == 2 and not rc.bypass_mode and rc.rollout_is == "token"
     reward = RewardManager.from_config(cfg.reward)
     # A red square with an extra red circle: GenEval's clauses all pass, the training score does not pay for it.
     image = np.zeros((1, 32, 32, 3), np.uint8)

@@ -121,3 +121,23 @@ def test_bypass_mode_clips_stale_steps_that_the_decoupled_mode_trains_on(small_o
     assert out["false"]["actor/pg_clipfrac"] == 0.0 and out["false"]["actor/ratio_mean"] == 1.0
     assert out["false"]["actor/grad_norm"] > 1.2 * out["true"]["actor/grad_norm"]  # the clipped steps' share
     assert out["false"]["rollout_corr/kl"] == pytest.approx(out["true"]["rollout_corr/kl"], rel=1e-4)
+
+
+@pytest.mark.parametrize("mode, threshold, bypass, warned", [
+    ("separate_async", 2, "true", True),
+    ("separate_async", "auto", "true", True),
+    ("separate_async", 0, "true", False),      # on-policy: nothing is stale
+    ("sync", 0, "true", False),
+    ("separate_async", 2, "false", False),
+])
+def test_start_up_warns_when_bypass_mode_meets_stale_samples(small_overrides, mode, threshold, bypass, warned):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_config(small_overrides + [f"trainer.v1.trainer_mode={mode}", f"{RC}.bypass_mode={bypass}",
+                                       f"trainer.v1.sampler.max_off_policy_threshold={threshold}"])
+    hits = [str(w.message) for w in caught if "bypass_mode` = true in separate_async" in str(w.message)]
+    assert bool(hits) == warned
+    if warned:
+        assert f"max_off_policy_threshold` = {threshold!r}" in hits[0] and "bypass_mode=false" in hits[0]
