@@ -70,7 +70,9 @@ class RolloutCorrectionConfig:
                           "seq_sum_k2, seq_sum_k3, seq_mean_k1, seq_mean_k2, seq_mean_k3, seq_max_k2, seq_max_k3.")
     rollout_rs_threshold: Any = opt(None, "Threshold(s) for rollout_rs: one value for all criteria, or a comma list "
                                     "aligned with them; k1 with a single value u keeps [1/u, u], 'lo_hi' gives both bounds.")
-    bypass_mode: bool = opt(False, "Skip the proximal recompute: old := behaviour. The PPO ratio then carries the IS term.")
+    bypass_mode: bool = opt(False, "Skip the proximal log-probs: old := behaviour, the PPO ratio carries the IS term. "
+                            "In separate_async a tiny clip_ratio then clips stale samples' steps away (start-up "
+                            "warns); decoupled mode costs no extra pass with one epoch and one mini-batch.")
 
     def validate(self, path: str) -> None:
         """The thresholds and criteria parse here, at start-up, not when the first loss is built."""
