@@ -2,6 +2,7 @@
 
     python benchmarks/bench_staleness.py [--minutes 4] [--eval-every 15] [--thresholds 0,1,2,4]
                                          [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
+                                         [--correction decoupled,bypass]
                                          [--target 10] [--table-from RESULTS_JSON]
                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/staleness]
 
@@ -16,6 +17,10 @@ FlowGRPO's GENEVAL_RECIPE) for ``--minutes`` of wall-clock per setting:
 * ``async auto`` – ``max_off_policy_threshold: auto`` (``trainer.v1.sampler.auto``
   defaults; docs/AUTO_THRESHOLD.md), strategy ``wait``; ``geneval`` only (it
   steers by the rollout/learner mismatch, which DiffusionNFT never measures).
+* ``--correction bypass`` (``geneval``) adds every separate_async setting again with
+  bypass-mode rollout correction (label suffix ``bypass``): the PPO ratio against
+  the behaviour policy, so stale samples' steps fall outside FlowGRPO's clip
+  range (the ``clipped %`` column: ``actor/pg_clipfrac``).
 
 Every setting checkpoints every ``--eval-every`` steps; each checkpoint is
 scored on the held-out prompts (GenEval protocol: ODE sampling, fixed seeds,
@@ -64,21 +69,27 @@ RECIPES = {
 #: recipes ``auto`` can steer: it reads the rollout/learner mismatch, which direct-preference losses never measure
 #: (config validation refuses ``auto`` with them)
 AUTO_RECIPES = ("geneval",)
-METRICS = ["perf/throughput", "perf/learner_idle_frac", "rollout_corr/kl", "rollout_corr/ess"]
+METRICS = ["perf/throughput", "perf/learner_idle_frac", "rollout_corr/kl", "rollout_corr/ess", "actor/pg_clipfrac"]
+#: ``--correction`` values: the recipe's decoupled rollout correction, or bypass mode (old := behaviour)
+CORRECTIONS = {"decoupled": [], "bypass": ["algorithm.rollout_correction.bypass_mode=true",
+                                           "algorithm.rollout_correction.rollout_is=null"]}
 
 
 def settings(args) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every setting, sync first."""
     base = RECIPES[args.recipe]
-    out = [("sync", base)]
-    for strategy in args.strategies:
-        for k in args.thresholds:
-            out.append((f"async t={k} {strategy}", base + ASYNC + [
-                f"trainer.v1.sampler.max_off_policy_threshold={k}",
-                f"trainer.v1.sampler.max_off_policy_strategy={strategy}"]))
-    if args.auto and args.recipe in AUTO_RECIPES:
-        out.append(("async auto", base + ASYNC + ["trainer.v1.sampler.max_off_policy_threshold=auto",
-                                                  "trainer.v1.sampler.max_off_policy_strategy=wait"]))
+    out = [("sync", base)]  # sync trains on-policy: both corrections give it the same updates
+    pg = args.recipe in AUTO_RECIPES  # direct-preference recipes carry no rollout correction
+    for correction in (getattr(args, "corrections", None) or ["decoupled"]) if pg else ["decoupled"]:
+        extra, tag = CORRECTIONS[correction], "" if correction == "decoupled" else f" {correction}"
+        for strategy in args.strategies:
+            for k in args.thresholds:
+                out.append((f"async t={k} {strategy}{tag}", base + ASYNC + extra + [
+                    f"trainer.v1.sampler.max_off_policy_threshold={k}",
+                    f"trainer.v1.sampler.max_off_policy_strategy={strategy}"]))
+        if args.auto and pg:
+            out.append((f"async auto{tag}", base + ASYNC + extra + [
+                "trainer.v1.sampler.max_off_policy_threshold=auto", "trainer.v1.sampler.max_off_policy_strategy=wait"]))
     return out
 
 
@@ -101,8 +112,8 @@ def fmt(v, spec: str) -> str:
 
 
 def table(results: dict, sync_key: str = "sync", target: float = 10.0) -> list[str]:
-    lines = ["| setting | steps | samples/s | CPU busy % | learner idle % | rollout_corr/kl | IS ESS | before | "
-             f"after | gain (95 % CI) | min to +{target:g} | vs sync |", "|" + "---|" * 12]
+    lines = ["| setting | steps | samples/s | CPU busy % | learner idle % | rollout_corr/kl | IS ESS | clipped % | "
+             f"before | after | gain (95 % CI) | min to +{target:g} | vs sync |", "|" + "---|" * 13]
     base = minutes_to(results[sync_key]["curve"], target) if sync_key in results else None
     for label, r in results.items():
         m, t = r["metrics"], minutes_to(r["curve"], target)
@@ -111,7 +122,9 @@ def table(results: dict, sync_key: str = "sync", target: float = 10.0) -> list[s
             f"| {label} | {r['steps']} | {fmt(m['perf/throughput'], '.1f')} | "
             f"{fmt(None if r.get('cpu_busy') is None else 100 * r['cpu_busy'], '.0f')} | "
             f"{fmt(None if m['perf/learner_idle_frac'] is None else 100 * m['perf/learner_idle_frac'], '.0f')} | "
-            f"{fmt(m['rollout_corr/kl'], '.2g')} | {fmt(m['rollout_corr/ess'], '.2f')} | {100 * r['before']:.1f} % | "
+            f"{fmt(m['rollout_corr/kl'], '.2g')} | {fmt(m['rollout_corr/ess'], '.2f')} | "
+            f"{fmt(None if m.get('actor/pg_clipfrac') is None else 100 * m['actor/pg_clipfrac'], '.0f')} | "
+            f"{100 * r['before']:.1f} % | "
             f"{100 * r['after']:.1f} % | {r['gain']:+.1f} ({r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}) | "
             f"{'not reached' if t is None else f'{t:.1f}'} | {speed} |")
     return lines
@@ -134,6 +147,9 @@ def main(argv=None) -> int:
     ap.add_argument("--strategies", type=_list(str, ["wait", "drop"]), default=["wait", "drop"])
     ap.add_argument("--no-auto", dest="auto", action="store_false", help="leave out max_off_policy_threshold: auto")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="nft")
+    ap.add_argument("--correction", dest="corrections", type=_list(str, sorted(CORRECTIONS)), default=["decoupled"],
+                    help="rollout correction of the separate_async settings (geneval recipe), a comma list: "
+                         "decoupled (the recipe's) and/or bypass (each threshold once per value)")
     ap.add_argument("--target", type=float, default=10.0, help="points over the base for the time-to column")
     ap.add_argument("--table-from", metavar="RESULTS_JSON", default=None,
                     help="print the table of an earlier run's results.json (e.g. with another --target) and exit")

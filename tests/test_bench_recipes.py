@@ -58,6 +58,11 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     args.recipe, args.strategies, args.thresholds = "geneval", ["wait"], [1]
     auto = dict(bench.settings(args))["async auto"]
     assert str(load_config(auto).trainer.v1.sampler.max_off_policy_threshold) == "auto"
+    args.corrections = ["decoupled", "bypass"]  # every separate_async setting once more, in bypass mode
+    got = {label: load_config(o).algorithm.rollout_correction for label, o in bench.settings(args)}
+    assert list(got) == ["sync", "async t=1 wait", "async auto", "async t=1 wait bypass", "async auto bypass"]
+    assert [rc.bypass_mode for rc in got.values()] == [False, False, False, True, True]
+    assert [rc.rollout_is for rc in got.values()] == ["token", "token", "token", None, None]
     results = {"sync": {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": 0.2, "after": 0.35,
                         "gain": 15.0, "ci": [10.0, 20.0], "curve": [(0.0, 0.2), (1.5, 0.25), (3.0, 0.31)]},
                "async t=1 wait": {"steps": 20, "metrics": {**dict.fromkeys(bench.METRICS), "perf/throughput": 9.5},
