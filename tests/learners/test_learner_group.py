@@ -11,23 +11,10 @@ import pytest
 import ray
 import torch
 
-from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
-from omnirl_async.actors.rollout_worker import RolloutWorker
 from omnirl_async.config import load_config
 from omnirl_async.learners.learner import Learner
 from omnirl_async.learners.learner_group import LearnerDiedError, LearnerGroup, wait_for_learners
 from tests.ray_kill import kill_and_wait_until_dead
-
-PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
-
-
-@pytest.fixture(scope="module")
-def batch(small_overrides):
-    cfg = load_config(small_overrides)
-    metas, fields, _ = RolloutWorker(cfg).generate(PromptDispatcher(PROMPTS, n=4, shuffle=False).lease(
-        2, global_step=1))
-    fields["rewards"] = np.linspace(0.0, 1.0, len(metas), dtype=np.float32)
-    return fields, [m.tags.group_uid for m in metas]
 
 
 @pytest.mark.slow  # two gloo learners on Ray; the timeout and death tests below stay in `make test`

@@ -8,22 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from omnirl_async.actors.prompt_dispatcher import PromptDispatcher
-from omnirl_async.actors.rollout_worker import RolloutWorker
 from omnirl_async.config import load_config
 from omnirl_async.learners.learner import Learner
 
-PROMPTS = ["two red circles", "a blue square to the left of a yellow triangle"]
 RC = "algorithm.rollout_correction"
-
-
-@pytest.fixture(scope="module")
-def batch(small_overrides):
-    cfg = load_config(small_overrides)
-    metas, fields, _ = RolloutWorker(cfg).generate(PromptDispatcher(PROMPTS, n=4, shuffle=False).lease(
-        2, global_step=1))
-    fields["rewards"] = np.linspace(0.0, 1.0, len(metas), dtype=np.float32)
-    return fields, [m.tags.group_uid for m in metas]
 
 
 def _stale_learner(cfg, fuse: bool) -> Learner:
