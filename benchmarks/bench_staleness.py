@@ -80,7 +80,7 @@ def settings(args) -> list[tuple[str, list[str]]]:
     base = RECIPES[args.recipe]
     out = [("sync", base)]  # sync trains on-policy: both corrections give it the same updates
     pg = args.recipe in AUTO_RECIPES  # direct-preference recipes carry no rollout correction
-    for correction in (getattr(args, "corrections", None) or ["decoupled"]) if pg else ["decoupled"]:
+    for correction in args.corrections if pg else ["decoupled"]:
         extra, tag = CORRECTIONS[correction], "" if correction == "decoupled" else f" {correction}"
         for strategy in args.strategies:
             for k in args.thresholds:

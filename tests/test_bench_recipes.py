@@ -43,7 +43,8 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
 
     sys.path.insert(0, str(ROOT / "benchmarks"))
     bench = _load("bench_staleness")
-    args = bench.argparse.Namespace(recipe="nft", strategies=["wait", "drop"], thresholds=[0, 2], auto=True)
+    args = bench.argparse.Namespace(recipe="nft", strategies=["wait", "drop"], thresholds=[0, 2], auto=True,
+                                    corrections=["decoupled"])
     got = {label: load_config(overrides) for label, overrides in bench.settings(args)}
     assert list(got) == ["sync", "async t=0 wait", "async t=2 wait", "async t=0 drop", "async t=2 drop"]  # no auto
     assert got["sync"].trainer.v1.trainer_mode == "sync"

@@ -85,7 +85,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["RS_CRITERIA", "SAFETY_BOUND", "RolloutCorrectionResult", "compute_bypass_correction",
-           "compute_rollout_correction", "parse_is_threshold", "parse_rs_thresholds", "sequence_level_options"]
+           "compute_rollout_correction", "correction_weights", "parse_is_threshold", "parse_rs_thresholds", "sequence_level_options"]
 
 SAFETY_BOUND = 20.0
 RS_CRITERIA = ("token_k1", "token_k2", "token_k3",
@@ -258,6 +258,14 @@ def compute_rollout_correction(
     return _correction(old_log_prob, behaviour_log_prob, mask, config)[0]
 
 
+@torch.no_grad()
+def correction_weights(old_log_prob: torch.Tensor, behaviour_log_prob: torch.Tensor, mask: torch.Tensor | None,
+                       config) -> torch.Tensor:
+    """Only the ``weights`` of :func:`compute_rollout_correction` (IS weight x RS keep), without its metrics:
+    for callers on the training hot path that report the metrics once per batch (no scalar syncs per call)."""
+    return _correction(old_log_prob, behaviour_log_prob, mask, config, with_metrics=False)[0].weights
+
+
 def sequence_level_options(config) -> list[str]:
     """The options of ``config`` that aggregate over the steps of a row (``rollout_is = sequence``, ``seq_*``)."""
     out = ["rollout_is=sequence"] if _get(config, "rollout_is") == "sequence" else []
@@ -315,8 +323,10 @@ def compute_bypass_correction(
     return RolloutCorrectionResult(weights, res.rs_mask, res.metrics, res.is_weights)
 
 
-def _correction(old_log_prob, behaviour_log_prob, mask, config) -> tuple[RolloutCorrectionResult, torch.Tensor]:
-    """:func:`compute_rollout_correction` plus the IS keep mask (valid and, for ``"lo_hi"``, inside the bounds)."""
+def _correction(old_log_prob, behaviour_log_prob, mask, config, *,
+                with_metrics: bool = True) -> tuple[RolloutCorrectionResult, torch.Tensor]:
+    """:func:`compute_rollout_correction` plus the IS keep mask (valid and, for ``"lo_hi"``, inside the bounds);
+    without ``with_metrics`` the result's metrics are empty."""
     if old_log_prob.shape != behaviour_log_prob.shape or old_log_prob.ndim != 2:
         raise ValueError(f"`old_log_prob` {tuple(old_log_prob.shape)} and `behaviour_log_prob` "
                          f"{tuple(behaviour_log_prob.shape)} must both be [B, T] (T = trained SDE steps).")
@@ -369,10 +379,13 @@ def _correction(old_log_prob, behaviour_log_prob, mask, config) -> tuple[Rollout
     metrics: dict[str, float] = {}
     for c in criteria:
         k = _rs_keep(c, rs_bounds[c], lr_safe, valid, m)
-        metrics[f"rollout_corr/rs_{c}_reject_frac"] = float(_masked_mean((~k).to(dtype), m))
+        if with_metrics:
+            metrics[f"rollout_corr/rs_{c}_reject_frac"] = float(_masked_mean((~k).to(dtype), m))
         keep &= k
     rs_mask = keep.to(dtype)
     weights = is_w * rs_mask
+    if not with_metrics:
+        return RolloutCorrectionResult(weights, rs_mask, metrics, is_w), is_keep
 
     # 4. Diagnostics over valid steps.
     metrics.update({

@@ -288,7 +288,8 @@ class Learner:
         old = b["old_log_probs"]
         if self._distributed():  # each row was filled by exactly one rank; the others hold zeros
             old = self._all_reduce(old, dist.ReduceOp.SUM)
-        b["_metrics"].update(proximal.correction_metrics(old, b["log_probs"], self.algo_cfg.rollout_correction))
+        rc = compute_rollout_correction(old, b["log_probs"].float(), None, self.algo_cfg.rollout_correction)
+        b["_metrics"].update(rc.metrics)  # as the separate pass reports them
 
     @torch.no_grad()
     def compute_proximal_log_probs(self, b: dict[str, Any], minibatches) -> None:

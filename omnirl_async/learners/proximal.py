@@ -28,8 +28,7 @@ from typing import Any
 
 import torch
 
-from omnirl_async.algos import compute_rollout_correction
-from omnirl_async.algos.rollout_correction import sequence_level_options
+from omnirl_async.algos.rollout_correction import correction_weights, sequence_level_options
 
 #: The batch fields a fused update fills step by step (proximal log-probs and means, correction weights).
 FILLED = ("old_log_probs", "old_means", "is_weights")
@@ -52,10 +51,11 @@ def prepare(b: dict[str, Any]) -> None:
 
 def fill_step(mb: dict[str, torch.Tensor], j: int, out, rc) -> None:
     """Step ``j`` of micro-batch ``mb``: proximal log-prob and mean = the forward ``out`` (detached), and the
-    token-level correction weight of that step against the stored behaviour log-prob."""
+    token-level correction weight of that step against the stored behaviour log-prob (the batch's
+    ``rollout_corr/*`` metrics are computed once, after the update)."""
     old = out.log_prob.detach().float()
     behaviour = mb["log_probs"][:, j].float().to(old.device)
-    weights = compute_rollout_correction(old[:, None], behaviour[:, None], None, rc).weights[:, 0]
+    weights = correction_weights(old[:, None], behaviour[:, None], None, rc)[:, 0]
     mb["old_log_probs"][:, j] = old.cpu()
     mb["old_means"][:, j] = out.mean.detach().float().cpu()
     mb["is_weights"][:, j] = weights.to(mb["is_weights"].dtype).cpu()
@@ -65,8 +65,3 @@ def write_back(b: dict[str, Any], mb: dict[str, torch.Tensor], rows) -> None:
     """Copy what a micro-batch filled into the batch (``mb`` holds copies of ``b``'s rows)."""
     for k in FILLED:
         b[k][rows] = mb[k]
-
-
-def correction_metrics(old: torch.Tensor, behaviour: torch.Tensor, rc) -> dict[str, float]:
-    """``rollout_corr/*`` over the whole batch, as the separate pass reports them."""
-    return compute_rollout_correction(old, behaviour.float(), None, rc).metrics

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omnirl_async.algos import compute_rollout_correction
-from omnirl_async.algos.rollout_correction import RS_CRITERIA, RolloutCorrectionResult, compute_bypass_correction
+from omnirl_async.algos.rollout_correction import (RS_CRITERIA, RolloutCorrectionResult, compute_bypass_correction,
+                                                   correction_weights)
 
 
 def cfg(**kw):
@@ -371,3 +372,17 @@ def test_bypass_shape_errors():
         compute_bypass_correction(beh[:, 0], beh[:, :2], cfg(bypass_mode=True))
     with pytest.raises(ValueError, match=r"\[B\]"):
         compute_bypass_correction(beh[None], beh[None], cfg(bypass_mode=True))
+
+
+@pytest.mark.parametrize("opts", [{}, {"rollout_is": "token", "rollout_is_threshold": 1.1},
+                                  {"rollout_is": "sequence", "rollout_is_threshold": "0.5_1.5"},
+                                  {"rollout_is": "token", "rollout_is_batch_normalize": True},
+                                  {"rollout_rs": "token_k1,seq_mean_k3", "rollout_rs_threshold": "1.2,0.01"}])
+def test_correction_weights_are_the_full_computations_weights(opts):
+    g = torch.Generator().manual_seed(3)
+    old, behaviour = torch.randn(6, 4, generator=g) * 0.3, torch.randn(6, 4, generator=g) * 0.3
+    mask = torch.rand(6, 4, generator=g) > 0.2
+    full = compute_rollout_correction(old, behaviour, mask, cfg(**opts))
+    assert torch.equal(correction_weights(old, behaviour, mask, cfg(**opts)), full.weights)
+    if opts.get("rollout_rs"):  # the rejection case does drop some steps, and keeps others
+        assert 0 < float((full.rs_mask == 0).float().mean()) < 1
