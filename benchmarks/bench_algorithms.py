@@ -103,10 +103,20 @@ class CpuMeter:
         return (inside[-1][1] - inside[0][1]) / (inside[-1][2] - inside[0][2])
 
 
-def minutes_to(curve: list, points: float) -> float | None:
-    """The first checkpoint's minute at or above the curve's start + ``points`` (None when never reached)."""
-    start = curve[0][1]
-    return next((m for m, v in curve[1:] if 100 * (v - start) >= points - 1e-9), None)
+def minutes_to(curve: list, points: float, hold: int = 1) -> float | None:
+    """The first checkpoint's minute at or above the curve's start + ``points`` (None when never reached).
+
+    ``hold`` > 1 asks for the mean of that checkpoint and the ``hold - 1`` before it (all after the start) to be
+    at or above the line: one lucky checkpoint of a curve that swings by several points between neighbours then no
+    longer counts as reaching the target."""
+    if hold < 1:
+        raise ValueError(f"hold = {hold!r}: the number of checkpoints averaged must be >= 1")
+    start, after = curve[0][1], curve[1:]
+    for i in range(hold - 1, len(after)):
+        window = [v for _m, v in after[i - hold + 1:i + 1]]
+        if 100 * (sum(window) / hold - start) >= points - 1e-9:
+            return after[i][0]
+    return None
 
 
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:

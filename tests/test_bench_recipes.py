@@ -69,13 +69,35 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
                "async t=1 wait": {"steps": 20, "metrics": {**dict.fromkeys(bench.METRICS), "perf/throughput": 9.5},
                                   "before": 0.2, "after": 0.4, "gain": 20.0, "ci": [15.0, 25.0],
                                   "curve": [(0.0, 0.2), (1.0, 0.22), (2.0, 0.30)], "cpu_busy": 0.874}}
-    rows = bench.table(results)
-    assert rows[2].endswith("| 3.0 | 1.00x |") and rows[3].endswith("| 2.0 | 1.50x |") and "| 9.5 | 87 |" in rows[3]
+    rows = bench.table(results)  # 3 checkpoints in a row: neither 2-point curve holds +10
+    assert rows[2].endswith("| 3.0 | 1.00x | not reached | - |") and "| 9.5 | 87 |" in rows[3]
+    assert rows[3].endswith("| 2.0 | 1.50x | not reached | - |")
     rows = bench.table(results, target=5)  # the same curves, another target: sync gets there first
-    assert "min to +5 |" in rows[0] and rows[2].endswith("| 1.5 | 1.00x |") and rows[3].endswith("| 2.0 | 0.75x |")
+    assert "min to +5 |" in rows[0] and rows[2].endswith("| 1.5 | 1.00x | not reached | - |")
+    assert rows[3].endswith("| 2.0 | 0.75x | not reached | - |")
+    rows = bench.table(results, target=5, hold=2)  # means of 2 in a row: sync +8 at 3.0, async +6 at 2.0
+    assert "+5, 2-ckpt mean |" in rows[0] and rows[2].endswith("| 3.0 | 1.00x |")
+    assert rows[3].endswith("| 2.0 | 1.50x |")
     assert bench.minutes_to(results["sync"]["curve"], 12) is None
-    assert bench.table(results, target=12)[3].endswith("| not reached | - |")
+    assert bench.table(results, target=12)[3].endswith("| not reached | - | not reached | - |")
     assert rows[2].startswith("| sync | 10 | - | - |")  # no throughput logged, no CPU measured
+
+
+def test_minutes_to_a_target_on_one_checkpoint_or_held_over_several():
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_algorithms")
+    # base 0.20; a one-checkpoint spike to +12 at 1.0, then a climb that holds +10 from 4.0 on
+    curve = [(0.0, 0.20), (1.0, 0.32), (2.0, 0.22), (3.0, 0.25), (4.0, 0.31), (5.0, 0.33), (6.0, 0.30)]
+    assert bench.minutes_to(curve, 10) == 1.0  # the spike counts on one checkpoint
+    assert bench.minutes_to(curve, 10, hold=2) == 5.0  # (0.31 + 0.33) / 2 = 0.32; (0.32 + 0.22) / 2 does not
+    assert bench.minutes_to(curve, 10, hold=3) == 6.0  # (0.31 + 0.33 + 0.30) / 3 = 0.313
+    assert bench.minutes_to(curve, 12, hold=3) is None
+    assert bench.minutes_to(curve, 10, hold=len(curve)) is None  # more checkpoints asked for than the run has
+    assert bench.minutes_to(curve[:1], 10) is None  # only the base
+    with pytest.raises(ValueError, match="hold = 0"):
+        bench.minutes_to(curve, 10, hold=0)
 
 
 def test_cpu_meter_measures_the_busy_share_between_two_times():
