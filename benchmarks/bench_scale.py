@@ -37,21 +37,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import tempfile
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import ray.cloudpickle  # noqa: E402
+import scale_model  # noqa: E402
+from scale_model import SimSpec, TimeModel  # noqa: E402
+from scale_report import (analyse, machine_busy, print_model, print_setting, print_summary,  # noqa: E402
+                          process_cpu)
 
 from omnirl_async.actors.prompt_dispatcher import sample_seeds  # noqa: E402
 from omnirl_async.actors.rollout_worker import RolloutWorker  # noqa: E402
@@ -60,159 +66,8 @@ from omnirl_async.models.sde_window import SDEWindow  # noqa: E402
 from omnirl_async.rewards.base import RewardResult  # noqa: E402
 from omnirl_async.trainer.separate_async import SeparateAsyncTrainer  # noqa: E402
 
-MiB = 1024**2
-
-
-# ----------------------------------------------------------------------------------------------- the time model
-@dataclass(frozen=True)
-class TimeModel:
-    """Durations in model seconds (what the real job would take), and the batch shape.
-
-    Sources ("public reports") and assumptions:
-
-    * group size 16, 32 prompt groups per learner step (512 images per step): the batch of VeRL-Omni's
-      FlowGRPO reference runs (verl-omni.readthedocs.io, "Performance Reference": "Training images per
-      step = batch size x images per prompt = 32 x 16 = 512"). The same page reports 420 s per step for a
-      synchronous LoRA run of Qwen-Image on 4 H800 GPUs (0.305 images/GPU/s), i.e. ~3.3 GPU-seconds per
-      trained image for rollout and update together; the split below stays within that total.
-    * 10 denoising steps per rollout and an SDE window of 3 trained steps: Flow-GRPO's public configs
-      (github.com/yifan123/flow_grpo, config/grpo.py: ``sample.num_steps = 10``, fast variants
-      ``sde_window_size = 3``); those configs train SD3.5-Medium at 512 px with groups of 24.
-    * ``gen_s`` = 24 s per group of 16 images at 1024 px on one GPU (1.5 s per image): an ASSUMPTION, from
-      a FLOP estimate for a ~2.5 B-parameter MMDiT at 4096 image tokens, 10 steps with CFG, plus VAE decode;
-      not a measured figure. Jitter lognormal, sigma 0.10 (ASSUMPTION).
-    * ``reward_median_s`` = 2 s per group from a remote scorer with a long tail, lognormal sigma 1.0
-      (p99 ~ 20 s): an ASSUMPTION (no public latency distribution found).
-    * ``update_s`` = 60 s per learner step of 512 samples on 8 GPUs (~0.94 GPU-s per image for 3 trained
-      steps with a proximal recompute): an ASSUMPTION, within the 3.3 GPU-s per image total above.
-    """
-
-    group_size: int = 16
-    batch_groups: int = 32
-    gen_s: float = 24.0
-    gen_sigma: float = 0.10
-    reward_median_s: float = 2.0
-    reward_sigma: float = 1.0
-    update_s: float = 60.0
-    update_sigma: float = 0.03
-    scoring_threads: int = 4  # RolloutWorker.max_inflight_scores: groups scored while the next one is sampled
-
-    # ---- expectations
-    def reward_mean_s(self) -> float:
-        return self.reward_median_s * math.exp(self.reward_sigma ** 2 / 2)
-
-    def worker_group_s(self) -> float:
-        """Model seconds per group of one worker in steady state: sampling, unless scoring is the slower stage."""
-        return max(self.gen_s, self.reward_mean_s() / self.scoring_threads)
-
-    def capacity(self, workers: int) -> float:
-        """Samples per model second that ``workers`` rollout workers can generate."""
-        return workers * self.group_size / self.worker_group_s()
-
-    def demand(self) -> float:
-        """Samples per model second the learner can train."""
-        return self.batch_groups * self.group_size / self.update_s
-
-    def ideal(self, workers: int) -> float:
-        """The ideal overlap bound: rollout and learning fully overlapped, no control-plane cost."""
-        return min(self.capacity(workers), self.demand())
-
-    def learner_bound(self, workers: int) -> bool:
-        return self.capacity(workers) > self.demand()
-
-    def step_s(self, workers: int) -> float:
-        """Model seconds per learner step at the ideal bound."""
-        return self.batch_groups * self.group_size / self.ideal(workers)
-
-    # ---- draws (mean-preserving lognormal jitter for the GPU stages, median-anchored for the scorer)
-    def draw_gen(self, rng: np.random.Generator) -> float:
-        return self.gen_s * float(rng.lognormal(-self.gen_sigma ** 2 / 2, self.gen_sigma))
-
-    def draw_reward(self, rng: np.random.Generator) -> float:
-        return self.reward_median_s * float(rng.lognormal(0.0, self.reward_sigma))
-
-    def draw_update(self, rng: np.random.Generator) -> float:
-        return self.update_s * float(rng.lognormal(-self.update_sigma ** 2 / 2, self.update_sigma))
-
-
-@dataclass(frozen=True)
-class PayloadModel:
-    """Bytes of one sample as this project's rollout worker stores it (``RolloutBatch.to_fields`` plus the
-    prompt embeddings, float32), for a 1024 px SD3.5-class model, and of one published LoRA.
-
-    Shapes: SD3's VAE has 16 latent channels at 1/8 resolution; its pipelines concatenate 77 CLIP tokens
-    and ``max_sequence_length`` = 256 T5 tokens of width 4096 (diffusers' default), pooled width 2048.
-    LoRA: rank 32 on the 8 attention projections of each of 24 blocks of width 1536 (SD3.5-Medium-like);
-    the rank and targets are an ASSUMPTION.
-    """
-
-    resolution: int = 1024
-    latent_channels: int = 16
-    vae_factor: int = 8
-    trained_steps: int = 3
-    text_tokens: int = 77 + 256
-    text_dim: int = 4096
-    pooled_dim: int = 2048
-    lora_rank: int = 32
-    lora_blocks: int = 24
-    lora_projections: int = 8
-    lora_width: int = 1536
-
-    def fields(self) -> dict[str, tuple[int, np.dtype]]:
-        """Field -> (elements per sample, dtype) at full size."""
-        lat = self.latent_channels * (self.resolution // self.vae_factor) ** 2
-        k = self.trained_steps
-        f32 = np.dtype(np.float32)
-        return {"images": (self.resolution ** 2 * 3, np.dtype(np.uint8)), "latents": (k * lat, f32),
-                "next_latents": (k * lat, f32), "means": (k * lat, f32), "log_probs": (k, f32),
-                "sigmas": (k, f32), "sigmas_next": (k, f32), "step_indices": (k, np.dtype(np.int64)),
-                "emb.prompt_embeds": (self.text_tokens * self.text_dim, f32),
-                "emb.pooled_prompt_embeds": (self.pooled_dim, f32)}
-
-    def sample_bytes(self) -> int:
-        return sum(n * dt.itemsize for n, dt in self.fields().values())
-
-    def lora_tensors(self) -> int:
-        return 2 * self.lora_blocks * self.lora_projections  # A and B of each adapted projection
-
-    def lora_params(self) -> int:
-        return self.lora_blocks * self.lora_projections * self.lora_rank * 2 * self.lora_width
-
-    def lora_bytes(self) -> int:
-        return 4 * self.lora_params()
-
-
-@dataclass(frozen=True)
-class SimSpec:
-    """Everything a stand-in needs in its actor: the models, the compression and the worker protocol knobs."""
-
-    time: TimeModel = field(default_factory=TimeModel)
-    payload: PayloadModel = field(default_factory=PayloadModel)
-    time_scale: float = 20.0
-    payload_scale: float = 1 / 20
-    poll_s: float = 0.02  # RolloutWorker.run_loop's default: sleep after a lease that admission refused
-    lease_wait_s: float = 2.0  # RolloutWorker.run_loop's default: a refused lease waits this long in the dispatcher
-    sample_ahead: bool = True  # SeparateAsyncTrainer's default: sample the next batch while an update runs
-    land: bool = False  # take the next batch's groups as they land (SeparateAsyncTrainer.land_every_s; off by default)
-    back_to_back: bool = True  # SeparateAsyncTrainer's default: start the next update as soon as one ends (staged)
-    seed: int = 0
-
-    def real(self, model_s: float) -> float:
-        return model_s / self.time_scale
-
-    def group_payload(self, n: int, fill: int) -> dict[str, np.ndarray]:
-        """The arrays of one group at ``payload_scale`` of the modelled size (flattened per sample)."""
-        out = {}
-        for name, (elems, dtype) in self.payload.fields().items():
-            k = elems if elems < 1024 else max(1, int(elems * self.payload_scale))
-            out[name] = np.full((n, k), fill % 251, dtype=dtype)
-        return out
-
-    def weights(self, version: int) -> dict[str, np.ndarray]:
-        """One LoRA state at ``payload_scale`` of its modelled size, as many tensors as the real one."""
-        count = self.payload.lora_tensors()
-        per = max(1, int(self.payload.lora_params() * self.payload_scale / count))
-        return {f"lora.{i}": np.full(per, float(version), np.float32) for i in range(count)}
+#: the simulated workers' actors unpickle SimSpec without importing benchmarks/ (their sys.path need not hold it)
+ray.cloudpickle.register_pickle_by_value(scale_model)
 
 
 # ----------------------------------------------------------------------------------------------- timing proxies
@@ -233,17 +88,6 @@ class CallClock:
     def snapshot(self) -> dict[str, list[float]]:
         with self._lock:
             return {k: list(v) for k, v in self._calls.items()}
-
-
-def merge_calls(parts: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for part in parts:
-        for name, (count, total, peak) in part.items():
-            c = out[name]
-            c[0] += count
-            c[1] += total
-            c[2] = max(c[2], peak)
-    return dict(out)
 
 
 class _TimedMethod:
@@ -589,40 +433,6 @@ def num_prompts(spec: SimSpec, workers: int, seconds: float) -> int:
     return int(groups_per_s * seconds * 1.5 + 8 * spec.time.batch_groups)
 
 
-def process_cpu() -> dict[str, float]:
-    """CPU seconds (user + system) of this run's processes: Ray actors by class, Ray's daemons, this driver."""
-    import psutil
-
-    out: dict[str, float] = defaultdict(float)
-    me = psutil.Process(os.getpid())
-    for proc in [me, *me.children(recursive=True)]:  # this run's Ray: its daemons and workers are our children
-        try:
-            cmd = proc.cmdline() or []
-            name = proc.name() or ""
-            if proc.pid == me.pid:
-                key = "driver (learner loop)"
-            elif cmd and cmd[0].startswith("ray::"):
-                key = cmd[0][len("ray::"):].split(".")[0].split(" ")[0]
-            elif name in ("raylet", "gcs_server"):
-                key = name
-            else:
-                key = "other Ray processes"
-            t = proc.cpu_times()
-            out[key] += t.user + t.system
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return dict(out)
-
-
-def machine_busy() -> tuple[float, float]:
-    """(busy CPU seconds, total CPU seconds) of the whole machine so far."""
-    import psutil
-
-    t = psutil.cpu_times()
-    total = sum(t)
-    return total - t.idle - getattr(t, "iowait", 0.0), total
-
-
 def run_setting(workers: int, args, spec: SimSpec, printer=print) -> dict[str, Any]:
     """Start Ray, run the real separate_async loop with ``workers`` simulated rollout workers, analyse."""
     import ray
@@ -671,246 +481,6 @@ def _run(cfg, prompts, spec, layout, args, printer) -> dict[str, Any]:
                        wall=wall, build_s=build_s)
     finally:
         trainer.stop()
-
-
-# ----------------------------------------------------------------------------------------------- analysis
-def histogram(lags: np.ndarray) -> dict[int, int]:
-    return {int(k): int(v) for k, v in sorted(Counter(lags.tolist()).items())}
-
-
-def exactly_once(trained_log: list[tuple], group_size: int) -> tuple[bool, str]:
-    """Every leased prompt trained at most once: one step per group, at most ``n`` samples per (prompt, epoch)."""
-    per_prompt = Counter((prompt, epoch) for _, prompt, epoch, _, _ in trained_log)
-    steps_of_group: dict[str, set] = defaultdict(set)
-    for group, _, _, _, learner_v in trained_log:
-        steps_of_group[group].add(learner_v)
-    over = [k for k, c in per_prompt.items() if c > group_size]
-    split = [g for g, s in steps_of_group.items() if len(s) > 1]
-    ok = not over and not split
-    return ok, ("ok" if ok else f"{len(over)} prompts trained more than once, {len(split)} groups in two steps")
-
-
-def window_of(records: list[StepRecord], warmup: int) -> list[StepRecord]:
-    if len(records) < warmup + 2:
-        raise RuntimeError(f"only {len(records)} learner steps finished; the measured window needs more than "
-                           f"--warmup-steps {warmup} + 1: raise --seconds or --time-scale")
-    return records[warmup:]
-
-
-def analyse(trainer: SimTrainer, hosts: list[dict], spec: SimSpec, *, workers: int, layout: list[int], args,
-            marks: dict, wall: float, build_s: float) -> dict[str, Any]:
-    """Throughput vs the ideal bound, learner time split, staleness, exactly-once and control-plane costs."""
-    t, S = spec.time, spec.time_scale
-    recs = window_of(trainer.records, args.warmup_steps)
-    span = recs[-1].end - recs[0].end
-    body = recs[1:]  # the steps that ended inside the window
-    samples = sum(r.samples for r in body)
-    thr_model = samples / span / S
-    ideal = t.ideal(workers)
-    compute = sum(r.compute_s for r in body)
-    wait_s = sum(r.times.get("gen", 0.0) for r in body)
-    ahead = sum(r.times.get("update_ahead", 0.0) for r in body)  # update time that ran beside the step before
-    split = {"update (modelled), inside the step": compute - ahead, "waiting for samples": wait_s,
-             "sample + payload fetch": sum(r.times.get("sample", 0.0) for r in body),
-             "update call overhead": sum(r.times.get("update_actor", 0.0) - r.compute_s for r in body),
-             "publish weights": sum(r.times.get("update_weights", 0.0) for r in body),
-             "bookkeeping (metrics, audit, settle)": sum(r.bookkeeping_s for r in body)}
-    split["other (refill check, settle, loop)"] = span - sum(split.values())
-    lags = np.concatenate([r.lags for r in trainer.records]) if trainer.records else np.zeros(0, np.int64)
-    audit_lags = np.array([lv - pv for _, _, _, pv, lv in trainer.trained_log], dtype=np.int64)
-    once_ok, once_text = exactly_once(trainer.trained_log, t.group_size)
-    learner_cp = (span - compute - wait_s) / len(body)  # the loop's own time per step, outside updates and waits
-    sims = host_totals(hosts)
-    calls = merge_calls([trainer.clock.snapshot()] + [h.get("calls", {}) for h in hosts])
-    worker_cp = worker_critical_path(sims, calls)
-    cpu = {k: marks["cpu1"].get(k, 0.0) - marks["cpu0"].get(k, 0.0) for k in marks["cpu1"]}
-    interval = marks["t1"] - marks["t0"]
-    busy = (marks["busy1"][0] - marks["busy0"][0]) / max(1e-9, marks["busy1"][1] - marks["busy0"][1])
-    outside = max(0.0, busy * (os.cpu_count() or 1) - sum(cpu.values()) / max(1e-9, interval))
-    window_calls = calls_in_window(trainer.clock.snapshot(), marks.get("calls0", {}))
-    return {
-        "workers": workers, "poll_s": spec.poll_s, "lease_wait_s": spec.lease_wait_s,
-        "sample_ahead": spec.sample_ahead, "land": spec.land, "back_to_back": spec.back_to_back, "layout": layout, "threshold": args.threshold, "time_scale": S,
-        "payload_scale": spec.payload_scale, "wall_s": wall, "build_s": build_s,
-        "steps": len(trainer.records), "window_steps": len(body), "window_s": span, "samples": samples,
-        "throughput": thr_model, "ideal": ideal, "ratio": thr_model / ideal, "capacity": t.capacity(workers),
-        "demand": t.demand(), "learner_bound": t.learner_bound(workers),
-        "learner_idle": 1.0 - compute / span, "split": {k: v / span for k, v in split.items()},
-        "lags": histogram(lags), "audit_lags": histogram(audit_lags),
-        "max_lag": int(max(lags.max(initial=0), audit_lags.max(initial=0))),
-        "bound_held": bool(lags.max(initial=0) <= args.threshold and audit_lags.max(initial=0) <= args.threshold),
-        "exactly_once": once_ok, "exactly_once_text": once_text, "trained_samples": len(trainer.trained_log),
-        "learner_cp_s": learner_cp, "learner_cp_frac": learner_cp / (t.step_s(workers) / S),
-        "worker_cp_s": worker_cp, "worker_cp_frac": worker_cp / spec.real(t.gen_s),
-        "sims": sims, "calls": calls, "driver_window_calls": window_calls, "cpu": cpu, "machine_busy": busy,
-        "cpu_interval_s": interval, "outside_cores": outside,
-        "window_trained": samples,
-    }
-
-
-def worker_critical_path(sims: dict[str, float], calls: dict[str, list[float]]) -> float:
-    """Seconds per group that a simulated worker spends in the control plane before it can generate: one granted
-    lease per group (it carries the weights version to install), plus every weight pull and install. (Refused
-    leases are admission waits; scoring, put and complete run in the worker's pool, beside the next
-    generation.)"""
-    groups = max(1.0, sims["groups"])
-    granted = calls.get("dispatcher.lease (granted)", [0, 0.0])
-    return granted[1] / max(1, granted[0]) + sims["weights_s"] / groups  # weights_s: store.get, ray.get, install
-
-
-def calls_in_window(now: dict, before: dict) -> dict[str, list[float]]:
-    return {k: [v[0] - before.get(k, [0, 0.0])[0], v[1] - before.get(k, [0, 0.0])[1], v[2]] for k, v in now.items()}
-
-
-def host_totals(hosts: list[dict]) -> dict[str, float]:
-    keys = (*RolloutWorker.COUNTERS, "overrun_s", "install_s")
-    return {k: float(sum(h.get(k, 0.0) for h in hosts)) for k in keys}
-
-
-# ----------------------------------------------------------------------------------------------- printing
-def fmt_ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.2f} ms"
-
-
-def verdict(ok: bool) -> str:
-    return "met" if ok else "NOT met"
-
-
-def print_setting(r: dict[str, Any], spec: SimSpec, printer=print) -> None:
-    t, S = spec.time, r["time_scale"]
-    regime = "learner-bound" if r["learner_bound"] else "rollout-bound"
-    printer(f"\n== {r['workers']} simulated rollout workers on {len(r['layout'])} Ray actors "
-            f"({'/'.join(map(str, r['layout']))}), threshold {r['threshold']}, time scale {S:g}x, "
-            + (f"a refused lease waits up to {r['lease_wait_s']:g} s in the dispatcher =="
-               if r.get("lease_wait_s", 0.0) > 0 else f"poll after a refused lease {1e3 * r['poll_s']:g} ms =="))
-    printer(f"regime: {regime}: rollout capacity {r['capacity']:.2f} vs learner demand {r['demand']:.2f} "
-            "samples/model-s")
-    printer(f"run: {r['wall_s']:.0f} s real ({r['wall_s'] * S / 60:.0f} model-min), {r['steps']} learner steps; "
-            f"measured window: steps {r['steps'] - r['window_steps'] + 1}-{r['steps']} "
-            f"({r['window_s']:.1f} s real, {r['samples']} samples)")
-    printer(f"throughput: {r['throughput']:.3f} samples/model-s  (ideal overlap bound {r['ideal']:.3f}) "
-            f"ratio {100 * r['ratio']:.1f} %")
-    printer(f"learner idle: {100 * r['learner_idle']:.1f} %   where the learner loop's time went:")
-    for k, v in r["split"].items():
-        printer(f"    {k:<38s} {100 * v:6.2f} %")
-    printer(f"staleness of trained samples (lag: samples): {r['lags']}  max {r['max_lag']} vs threshold "
-            f"{r['threshold']}: {'held' if r['bound_held'] else 'BROKEN'}; audit trail agrees: "
-            f"{r['audit_lags'] == r['lags']}")
-    printer(f"exactly once: {r['exactly_once_text']} ({r['trained_samples']} samples trained)")
-    print_control_plane(r, spec, printer)
-
-
-def print_control_plane(r: dict[str, Any], spec: SimSpec, printer=print) -> None:
-    S, sims, calls = r["time_scale"], r["sims"], r["calls"]
-    step_model = spec.time.step_s(r["workers"])
-    printer(f"control plane, learner side: {fmt_ms(r['learner_cp_s'])} per step outside updates and waits = "
-            f"{100 * r['learner_cp_frac']:.2f} % of a step ({step_model:.0f} model-s = {step_model / S:.2f} s real). "
-            f"At full scale it lies between {100 * r['learner_cp_frac'] / S:.3f} % (all of it fixed per-call cost, "
-            f"which compression inflates {S:g}x) and {100 * r['learner_cp_frac']:.2f} % (all of it byte copies)")
-    printer(f"control plane, worker side:  {fmt_ms(r['worker_cp_s'])} per group before generating (a granted "
-            f"lease, weight pulls and installs) = {100 * r['worker_cp_frac']:.2f} % of a group's "
-            f"generation; scoring + put + complete run beside the next generation: "
-            f"{fmt_ms(sims['put_s'] / max(1.0, sims['groups']))} of put + complete per group; "
-            f"{sims['weight_pulls']:.0f} weight pulls for {sims['groups']:.0f} groups (only a granted lease pulls)")
-    printer("  timed calls (client round trips on the real objects, whole run; dispatcher.* and buffer.* from the "
-            "driver and every simulated worker):")
-    trained = max(1, r["trained_samples"])
-    for name, (count, total, peak) in sorted(calls.items(), key=lambda kv: -kv[1][1]):
-        printer(f"    {name:<36s} {int(count):8d} calls  mean {fmt_ms(total / max(1, count)):>10s}  "
-                f"max {fmt_ms(peak):>10s}  per trained sample {1e6 * total / trained:8.1f} us")
-    dt = max(1e-9, r["cpu_interval_s"])
-    cpu_line = ", ".join(f"{k} {100 * v / dt:.0f} %" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1])
-                         if v / dt > 0.005)
-    printer(f"  CPU in the window (% of one core): {cpu_line}")
-    printer(f"  machine: busy {100 * r['machine_busy']:.0f} % of {os.cpu_count()} cores; processes outside this run "
-            f"used {r['outside_cores']:.2f} cores")
-    refused = calls.get("dispatcher.lease (refused)", [0, 0.0])[0]
-    waiting_s = sims["idle_s"]  # from a refused lease call's start to the next lease call
-    waiting = waiting_s / max(1e-9, r["wall_s"])
-    printer(f"  admission waits: {100 * waiting_s / max(1e-9, sims['wall_s']):.1f} % of worker time, {waiting:.1f} "
-            f"simulated workers on average, polling {refused / max(1e-9, r['wall_s']):.0f} refused leases/s (each: "
-            + (f"a lease that waits up to {spec.lease_wait_s:g} s in the dispatcher; should_stop only when a wait "
-               "ended early)"
-               if spec.lease_wait_s > 0 else
-               f"lease + should_stop + {spec.poll_s * 1e3:.0f} ms sleep). The poll interval is real "
-               f"time, so at full scale as many waiting workers send the dispatcher up to "
-               f"{2 * waiting / spec.poll_s:.0f} calls/s"))
-
-
-def waits_text(r: dict[str, Any]) -> str:
-    """How a worker waits after a refused lease: ``wait`` (in the dispatcher) or the poll interval (``20ms``)."""
-    if r.get("lease_wait_s", 0.0) > 0:
-        return "wait"
-    return f"{1e3 * r['poll_s']:g}ms" if "poll_s" in r else ""
-
-
-def name(r: dict[str, Any]) -> str:
-    """A setting's label: workers, how they wait after a refused lease (``128@wait``, ``128@20ms``) and
-    ``:serial`` when the learner does not sample ahead, ``:land`` when it takes the next batch's groups as they
-    land, ``:gap`` when the next update waits for the loop's publish and bookkeeping (not back to back)."""
-    how = waits_text(r)
-    label = f"{r['workers']}@{how}" if how else str(r["workers"])
-    if not r.get("sample_ahead", True):
-        return label + ":serial"
-    if not r.get("back_to_back", True):
-        return label + ":gap"
-    return label + (":land" if r.get("land", False) else "")
-
-
-def goals(results: list[dict[str, Any]]) -> list[tuple[str, bool | None, str]]:
-    """The issue's goals: (text, met or None when no setting applies, details)."""
-    out = []
-    big = [r for r in results if r["workers"] >= 32]
-    out.append(("throughput >= 90 % of the ideal overlap bound at 32 and 128 simulated workers",
-                all(r["ratio"] >= 0.9 for r in big) if big else None,
-                ", ".join(f"{name(r)}: {100 * r['ratio']:.1f} %" for r in big)))
-    lb = [r for r in results if r["learner_bound"]]
-    out.append(("learner idle < 5 % whenever rollout capacity exceeds learner demand",
-                all(r["learner_idle"] < 0.05 for r in lb) if lb else None,
-                ", ".join(f"{name(r)}: {100 * r['learner_idle']:.1f} %" for r in lb)))
-    out.append(("staleness bound held (every trained sample's lag <= threshold)",
-                all(r["bound_held"] for r in results),
-                ", ".join(f"{name(r)}: max lag {r['max_lag']}" for r in results)))
-    out.append(("control plane < 1 % of a step's time (learner loop per step, worker loop per group)",
-                all(r["learner_cp_frac"] < 0.01 and r["worker_cp_frac"] < 0.01 for r in results),
-                ", ".join(f"{name(r)}: {100 * r['learner_cp_frac']:.2f} % / {100 * r['worker_cp_frac']:.2f} %"
-                          for r in results)))
-    return out
-
-
-def print_summary(results: list[dict[str, Any]], printer=print) -> None:
-    printer("\n== summary (samples per model second; CP = control plane share of a step / of a group) ==")
-    printer(f"{'setting':>10s} {'regime':>13s} {'ideal':>7s} {'got':>7s} {'ratio':>7s} {'l.idle':>7s} "
-            f"{'max lag':>7s} {'CP/step':>8s} {'CP/group':>8s} {'steps':>5s}")
-    for r in results:
-        printer(f"{name(r):>10s} {'learner-bound' if r['learner_bound'] else 'rollout-bound':>13s} "
-                f"{r['ideal']:7.3f} {r['throughput']:7.3f} {100 * r['ratio']:6.1f}% {100 * r['learner_idle']:6.1f}% "
-                f"{r['max_lag']:7d} {100 * r['learner_cp_frac']:7.2f}% {100 * r['worker_cp_frac']:7.2f}% "
-                f"{r['steps']:5d}")
-    for how in sorted({waits_text(r) for r in results}):
-        subset = [r for r in results if waits_text(r) == how]
-        label = {"wait": "refused leases wait in the dispatcher", "": ""}.get(how, f"refused leases poll every {how}")
-        printer(f"\ngoals ({label}):" if label else "\ngoals:")
-        for text, ok, detail in goals(subset):
-            printer(f"  [{'n/a' if ok is None else verdict(ok)}] {text} ({detail})")
-
-
-def print_model(spec: SimSpec, printer=print) -> None:
-    t, p = spec.time, spec.payload
-    printer("time model (model seconds; see TimeModel for sources and assumptions):")
-    printer(f"  group of {t.group_size} images: generation {t.gen_s:g} s (lognormal sigma {t.gen_sigma:g}), "
-            f"reward median {t.reward_median_s:g} s (lognormal sigma {t.reward_sigma:g}, mean "
-            f"{t.reward_mean_s():.2f} s, scored on {t.scoring_threads} threads beside generation)")
-    printer(f"  learner step: {t.batch_groups} groups = {t.batch_groups * t.group_size} samples in {t.update_s:g} s "
-            f"(sigma {t.update_sigma:g}) -> demand {t.demand():.2f} samples/s; one worker: "
-            f"{t.capacity(1):.3f} samples/s")
-    printer(f"  payload: {p.sample_bytes() / MiB:.1f} MiB per sample, {p.sample_bytes() * t.group_size / MiB:.0f} MiB "
-            f"per group at full size; sent at {spec.payload_scale:.4g}x = "
-            f"{p.sample_bytes() * t.group_size * spec.payload_scale / MiB:.1f} MiB per group")
-    printer(f"  weights: LoRA {p.lora_params() / 1e6:.1f} M params = {p.lora_bytes() / MiB:.0f} MiB in "
-            f"{p.lora_tensors()} tensors; sent at {spec.payload_scale:.4g}x")
-    printer(f"  compression: time / {spec.time_scale:g}; after a refused lease a worker waits up to "
-            f"{spec.lease_wait_s:g} s in the dispatcher (or, with N@S settings, polls every S s; real seconds)")
 
 
 # ----------------------------------------------------------------------------------------------- CLI

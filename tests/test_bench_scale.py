@@ -1,4 +1,5 @@
-"""benchmarks/bench_scale.py: the time model and the ideal bound (fast, no Ray), and a smoke run end to end (slow)."""
+"""benchmarks/bench_scale.py (+ scale_model.py, scale_report.py): the time model and the ideal bound, the report's
+figures (fast, no Ray), and a smoke run end to end (slow)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,13 @@ def bench():
         yield module
     finally:
         sys.modules.pop("bench_scale", None)
+
+
+@pytest.fixture(scope="module")
+def report(bench):
+    import scale_report  # bench_scale put benchmarks/ on sys.path
+
+    return scale_report
 
 
 def test_ideal_bound_is_min_of_rollout_capacity_and_learner_demand(bench):
@@ -67,7 +75,7 @@ def test_draws_follow_the_model(bench):
 
 
 def test_payload_sizes_match_direct_computation(bench):
-    p = bench.PayloadModel()
+    p = bench.SimSpec().payload  # scale_model.PayloadModel
     lat = 16 * 128 * 128 * 4  # one float32 SD3 latent at 1024 px
     direct = (1024 * 1024 * 3 + 3 * 3 * lat + 3 * (4 + 4 + 4 + 8) + 333 * 4096 * 4 + 2048 * 4)
     assert p.sample_bytes() == direct
@@ -82,7 +90,7 @@ def test_payload_sizes_match_direct_computation(bench):
     assert sum(v.nbytes for v in weights.values()) == pytest.approx(p.lora_bytes() / 20, rel=0.01)
 
 
-def test_host_layout_and_arguments(bench):
+def test_host_layout_and_arguments(bench, report):
     assert bench.host_layout(128, 4) == [32, 32, 32, 32]
     assert bench.host_layout(6, 4) == [2, 2, 1, 1]
     assert bench.host_layout(3, 8) == [1, 1, 1]
@@ -90,10 +98,10 @@ def test_host_layout_and_arguments(bench):
     assert bench.check_args(args) == [(6, None, "")]
     assert bench.parse_settings("8, 128@0.25, 32:serial, 32@0.5:serial, 128:land") == [
         (8, None, ""), (128, 0.25, ""), (32, None, "serial"), (32, 0.5, "serial"), (128, None, "land")]
-    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": False}) == "32@wait:serial"
-    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": True}) == "32@wait:land"
-    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": False}) == "32@wait"
-    assert bench.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "back_to_back": False}) == "32@wait:gap"
+    assert report.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": False}) == "32@wait:serial"
+    assert report.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": True}) == "32@wait:land"
+    assert report.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "land": False}) == "32@wait"
+    assert report.name({"workers": 32, "lease_wait_s": 2.0, "sample_ahead": True, "back_to_back": False}) == "32@wait:gap"
     assert bench.parse_settings("32:gap") == [(32, None, "gap")]
     assert bench.build_spec(args).payload_scale == pytest.approx(1 / args.time_scale)
     with pytest.raises(SystemExit):
@@ -104,18 +112,18 @@ def test_host_layout_and_arguments(bench):
         bench.parse_settings("8:fast")
 
 
-def test_exactly_once_and_goals(bench):
+def test_exactly_once_and_goals(report):
     log = [("g1", "p1", 0, 0, 0)] * 4 + [("g2", "p2", 0, 0, 1)] * 4
-    assert bench.exactly_once(log, 4) == (True, "ok")
+    assert report.exactly_once(log, 4) == (True, "ok")
     twice = log + [("g3", "p1", 0, 1, 2)] * 4  # p1 trained again in the same epoch
-    assert not bench.exactly_once(twice, 4)[0]
+    assert not report.exactly_once(twice, 4)[0]
     row = dict(workers=32, ratio=0.95, learner_bound=True, learner_idle=0.02, bound_held=True, max_lag=1,
                learner_cp_frac=0.004, worker_cp_frac=0.001)
-    assert [ok for _, ok, _ in bench.goals([row])] == [True, True, True, True]
+    assert [ok for _, ok, _ in report.goals([row])] == [True, True, True, True]
     slow = dict(row, ratio=0.8, learner_idle=0.2)
-    assert [ok for _, ok, _ in bench.goals([slow])] == [False, False, True, True]
+    assert [ok for _, ok, _ in report.goals([slow])] == [False, False, True, True]
     small = dict(row, workers=8, learner_bound=False)
-    assert [ok for _, ok, _ in bench.goals([small])][:2] == [None, None]
+    assert [ok for _, ok, _ in report.goals([small])][:2] == [None, None]
 
 
 @pytest.mark.slow
