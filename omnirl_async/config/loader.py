@@ -12,8 +12,10 @@ between the trainer YAML and what you set: schema default < ``diffusion_trainer.
 < preset < recipe YAML < command line. Which keys *you* set is read from the
 composition itself: the keys written in every config file of its defaults list
 other than the schema and ``diffusion_trainer`` (the recipe and what it
-includes), plus the keys of the command-line overrides. Validation runs after
-the presets.
+includes), plus the keys of the command-line overrides (the files' part is
+cached per process, keyed on the config-group choices and a digest of every
+file of the config sources, since working out the defaults list costs as much
+as composing). Validation runs after the presets.
 
 Every failure is a :class:`ConfigError` whose message starts with the key
 path: each override is parsed on its own first, so a malformed one (``a.b=[1``,
@@ -24,6 +26,7 @@ through.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Sequence
@@ -147,8 +150,6 @@ def user_set_keys(config_name: str, overrides: Sequence[str]) -> set[str]:
     own text come from Hydra's config loader (the interface config-source plugins implement), so recipes that
     include other recipes, config groups and ``@package`` placement are all followed.
     """
-    from hydra.types import RunMode
-
     keys: set[str] = set()
     parser = OverridesParser.create()
     for text in overrides:
@@ -157,7 +158,81 @@ def user_set_keys(config_name: str, overrides: Sequence[str]) -> set[str]:
             continue
         value = parser.parse_override(text).value() if "=" in text else None
         keys |= _leaf_paths(OmegaConf.create(value), key) if isinstance(value, dict) else {key}
+    return keys | _file_keys(config_name, overrides)
+
+
+#: :func:`_file_keys` per composition: (config name, the overrides that can change the defaults list, the config
+#: sources and a digest of each of their files, the ConfigStore's names) -> keys. Working out the
+#: defaults list costs as much as composing again; a process composes the same few (a test suite, a sweep) often.
+_FILE_KEYS: dict[tuple, frozenset[str]] = {}
+_FILE_KEYS_MAX = 256
+_SIGNED_FILES_MAX = 500
+
+
+def _file_keys(config_name: str, overrides: Sequence[str]) -> frozenset[str]:
+    """The keys written in the composition's config files other than the schema and the trainer YAML (cached;
+    the cache key changes whenever a file of a config source, a config-group choice or the ConfigStore does)."""
     loader = GlobalHydra.instance().config_loader()
+    sources = _sources_signature(loader.get_sources())
+    if sources is None:
+        return frozenset(_read_file_keys(loader, config_name, overrides))
+    sig = (config_name, _defaults_overrides(loader, overrides), sources, _store_names(ConfigStore.instance().repo))
+    hit = _FILE_KEYS.get(sig)
+    if hit is None:
+        hit = frozenset(_read_file_keys(loader, config_name, overrides))
+        if len(_FILE_KEYS) >= _FILE_KEYS_MAX:
+            _FILE_KEYS.clear()
+        _FILE_KEYS[sig] = hit
+    return hit
+
+
+def _defaults_overrides(loader, overrides: Sequence[str]) -> tuple[str, ...]:
+    """The overrides that can change the defaults list, as Hydra sorts them: config-group choices (a non-mapping
+    value for a key that names a group) and anything under ``hydra`` (its search path adds config sources)."""
+    parser = OverridesParser.create()
+    out = []
+    for text in overrides:
+        o = parser.parse_override(text)
+        if o.key_or_group.startswith("hydra") or (
+                not isinstance(o.value(), dict) and loader.repository.group_exists(o.key_or_group)):
+            out.append(text)
+    return tuple(out)
+
+
+def _sources_signature(sources) -> tuple | None:
+    """Each config source, and for a folder on disk every file under it with a digest of its bytes (timestamps
+    are too coarse on some file systems to see a file rewritten within a few ms); None (do not cache) for a
+    folder of more than :data:`_SIGNED_FILES_MAX` files."""
+    out = []
+    for source in sources:
+        entry: tuple = (source.provider, source.scheme(), source.path)
+        if source.scheme() == "file" and os.path.isdir(source.path):
+            files = []
+            for root, dirs, names in os.walk(source.path):
+                dirs.sort()
+                for name in sorted(names):
+                    if len(files) >= _SIGNED_FILES_MAX:
+                        return None
+                    path = os.path.join(root, name)
+                    with open(path, "rb") as f:
+                        files.append((os.path.relpath(path, source.path), hashlib.blake2b(f.read()).digest()))
+            entry += (tuple(files),)
+        out.append(entry)
+    return tuple(out)
+
+
+def _store_names(repo: dict, prefix: str = "") -> tuple[str, ...]:
+    """Every name (with its group path) in the ConfigStore."""
+    out: list[str] = []
+    for name, node in repo.items():
+        out.extend(_store_names(node, f"{prefix}{name}/") if isinstance(node, dict) else [f"{prefix}{name}"])
+    return tuple(out)
+
+
+def _read_file_keys(loader, config_name: str, overrides: Sequence[str]) -> set[str]:
+    from hydra.types import RunMode
+
+    keys: set[str] = set()
     sources = loader.get_sources()
     for entry in loader.compute_defaults_list(config_name, list(overrides), RunMode.RUN).defaults:
         path, package = entry.config_path, entry.package or ""

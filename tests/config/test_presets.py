@@ -287,5 +287,30 @@ def test_user_set_keys_reads_the_overrides_and_the_recipe_files(tmp_path):
                     "algorithm.rollout_correction.bypass_mode"}
 
 
+def test_user_set_keys_follow_a_recipe_rewritten_between_two_loads(tmp_path):
+    """The keys the recipe files write are cached per composition; rewriting a file (same size, at once), switching
+    a config group or adding a file to the group is seen at the next load."""
+    cdir = _config_dir(tmp_path, guard=GUARD_RECIPE)
+    kept = applied_presets(load_config(config_name="guard", config_dir=cdir)).kept
+    assert [(s.key, s.yours) for s in kept] == [(CLIP, 1e-4)]
+    # the same number of bytes, written at once: the recipe now writes adv_clip_max, and the preset sets clip_ratio
+    (cdir / "guard.yaml").write_text(GUARD_RECIPE.replace("clip_ratio: 1.0e-4", "adv_clip_max: 5.00"))
+    assert (cdir / "guard.yaml").stat().st_size == len(GUARD_RECIPE)
+    cfg = load_config(config_name="guard", config_dir=cdir)
+    _check(cfg, {CLIP: 2e-6, "actor_rollout_ref.actor.diffusion_loss.adv_clip_max": 5.0})
+    assert CLIP in [s.key for s in applied_presets(cfg).applied]
+    # a config group: the choice decides which file's keys are the user's
+    (cdir / "loss").mkdir()
+    (cdir / "loss" / "tight.yaml").write_text("# @package actor_rollout_ref.actor.diffusion_loss\n"
+                                              "clip_ratio: 3.0e-6\n")
+    (cdir / "grouped.yaml").write_text("defaults:\n  - diffusion_trainer\n  - loss: tight\n  - _self_\n"
+                                       "actor_rollout_ref:\n  model:\n    algorithm: grpo_guard\n")
+    _check(load_config(config_name="grouped", config_dir=cdir), {CLIP: 3e-6})
+    (cdir / "loss" / "plain.yaml").write_text("# @package actor_rollout_ref.actor.diffusion_loss\n"
+                                              "adv_clip_max: 4.0\n")
+    _check(load_config(["loss=plain"], config_name="grouped", config_dir=cdir), {CLIP: 2e-6})
+    _check(load_config(["loss=tight"], config_name="grouped", config_dir=cdir), {CLIP: 3e-6})
+
+
 def test_presets_module_names_its_triggers():
     assert ALGORITHM == ALG and SDE_TYPE == SDE
