@@ -3,7 +3,7 @@
     python benchmarks/bench_staleness.py [--minutes 4] [--eval-every 15] [--thresholds 0,1,2,4]
                                          [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
                                          [--correction decoupled,bypass]
-                                         [--target 10] [--hold 3] [--table-from RESULTS_JSON]
+                                         [--target 10] [--hold 3] [--table-from RESULTS_JSON ...]
                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/staleness]
 
 Trains the embedded shapes model with one recipe (``nft``: the demo's
@@ -37,7 +37,9 @@ the speed-up over sync, and again with the mean of ``--hold`` (3) checkpoints in
 a row at or above (the time is the last of them: a curve that swings by
 several points between neighbouring checkpoints no longer reaches the target on
 one lucky point); ``--table-from <out>/results.json --target 5`` prints
-an earlier run's table for another target without training again. Writes
+an earlier run's table for another target without training again (give it
+several runs' results.json, e.g. one per ``--seed``, and it prints their times
+side by side). Writes
 ``<out>/curves.png`` (accuracy vs minutes, one
 line per setting) and ``<out>/results.json``. On 2 shared cores expect a
 minute or two of noise in the time to +10: run it twice (``--seed``) before
@@ -147,6 +149,29 @@ def table(results: dict, sync_key: str = "sync", target: float = 10.0, hold: int
     return lines
 
 
+def across(runs: dict[str, dict], sync_key: str = "sync", target: float = 10.0, hold: int = HOLD) -> list[str]:
+    """One row per setting, one column per run (e.g. per seed): minutes to ``+target`` at the first checkpoint
+    and held over ``hold`` checkpoints, with the speed-up over that run's sync on the held time."""
+    names = list(runs)
+    labels = list(dict.fromkeys(label for r in runs.values() for label in r))
+    lines = [f"| setting | {' | '.join(names)} |", "|" + "---|" * (len(names) + 1),
+             f"| (min to +{target:g}: first checkpoint / {hold}-ckpt mean, speed-up over sync on the mean) |"
+             + " |" * len(names)]
+    for label in labels:
+        cells = []
+        for run in runs.values():
+            if label not in run:
+                cells.append("-")
+                continue
+            t, held = minutes_to(run[label]["curve"], target), minutes_to(run[label]["curve"], target, hold)
+            base = minutes_to(run[sync_key]["curve"], target, hold) if sync_key in run else None
+            speed = _speedup(label, sync_key, base, held)
+            cells.append(f"{'never' if t is None else f'{t:.1f}'} / {'never' if held is None else f'{held:.1f}'}"
+                         + ("" if speed == "-" else f" ({speed})"))
+        lines.append(f"| {label} | {' | '.join(cells)} |")
+    return lines
+
+
 def _list(kind, choices=None):
     def parse(text: str):
         out = [kind(v) for v in text.split(",") if v]
@@ -170,15 +195,20 @@ def main(argv=None) -> int:
     ap.add_argument("--target", type=float, default=10.0, help="points over the base for the time-to column")
     ap.add_argument("--hold", type=int, default=HOLD,
                     help="checkpoints in a row whose mean must clear the target for the second time-to column")
-    ap.add_argument("--table-from", metavar="RESULTS_JSON", default=None,
-                    help="print the table of an earlier run's results.json (e.g. with another --target) and exit")
+    ap.add_argument("--table-from", metavar="RESULTS_JSON", nargs="+", default=None,
+                    help="print the table of an earlier run's results.json (e.g. with another --target) and exit; "
+                         "with several (e.g. one per seed), each one's table and then the times side by side")
     add_heldout_args(ap, "bench_out/staleness")
     args = ap.parse_args(argv)
-    if args.table_from:
-        print("\n".join(table(json.loads(Path(args.table_from).read_text()), target=args.target, hold=args.hold)))
-        return 0
     if args.hold < 1:
         ap.error(f"--hold {args.hold}: the number of checkpoints averaged must be >= 1")
+    if args.table_from:
+        runs = {path: json.loads(Path(path).read_text()) for path in args.table_from}
+        for path, results in runs.items():
+            print(f"{path}:\n" + "\n".join(table(results, target=args.target, hold=args.hold)) + "\n")
+        if len(runs) > 1:
+            print("\n".join(across(runs, target=args.target, hold=args.hold)))
+        return 0
     if any(k < 0 for k in args.thresholds):
         ap.error(f"--thresholds {args.thresholds}: integers >= 0")
     if args.auto and args.recipe not in AUTO_RECIPES:

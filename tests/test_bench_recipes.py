@@ -81,6 +81,14 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     assert bench.minutes_to(results["sync"]["curve"], 12) is None
     assert bench.table(results, target=12)[3].endswith("| not reached | - | not reached | - |")
     assert rows[2].startswith("| sync | 10 | - | - |")  # no throughput logged, no CPU measured
+    # two runs side by side (e.g. two seeds): first / held minutes, speed-up over that run's sync on the held time
+    other = {"sync": dict(results["sync"], curve=[(0.0, 0.2), (1.0, 0.27), (2.0, 0.26), (3.0, 0.28)]),
+             "async t=1 wait": dict(results["async t=1 wait"], curve=[(0.0, 0.2), (0.5, 0.3), (1.0, 0.28)])}
+    rows = bench.across({"seed 0": results, "seed 1": other}, target=5, hold=2)
+    assert rows[0] == "| setting | seed 0 | seed 1 |"
+    assert rows[3] == "| sync | 1.5 / 3.0 (1.00x) | 1.0 / 2.0 (1.00x) |"
+    assert rows[4] == "| async t=1 wait | 2.0 / 2.0 (1.50x) | 0.5 / 1.0 (2.00x) |"
+    assert bench.across({"a": results, "b": {"sync": other["sync"]}}, target=5, hold=2)[4].endswith("| - |")
 
 
 def test_minutes_to_a_target_on_one_checkpoint_or_held_over_several():
