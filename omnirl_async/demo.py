@@ -26,7 +26,8 @@ HELDOUT_SEED = 0
 #: The recipe that moves held-out strict accuracy on the embedded model (README "The embedded world",
 #: docs/shapes_model.md; benchmarks/bench_geneval_rl.py uses it too): 4 prompts x 16 samples,
 #: coefficient-preserving SDE steps in the first 4 of 10 steps, lr 6e-4, a training score that also penalises
-#: unasked-for objects; no proximal recompute (bypass).
+#: unasked-for objects; decoupled rollout correction with token-level IS (the proximal log-probs read off the update's
+#: own forward, so no extra pass).
 GENEVAL_RECIPE = [
     "data.train_batch_size=4",
     "actor_rollout_ref.actor.ppo_mini_batch_size=4",
