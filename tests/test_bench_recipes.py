@@ -226,3 +226,30 @@ def test_staleness_run_metrics_take_the_last_value_of_whole_run_figures(tmp_path
     got = bench.run_metrics(tmp_path)
     assert got["perf/learner_idle_frac"] == pytest.approx(0.25) and got["perf/throughput"] == pytest.approx(20.0)
     assert got["rollout_corr/kl"] is None and got["rollout_corr/ess"] is None  # never logged
+
+
+def test_replay_auto_threshold_counts_the_windows_a_target_would_lower_on(tmp_path, capsys):
+    import sys
+
+    from torch.utils.tensorboard import SummaryWriter
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    replay = _load("replay_auto_threshold")
+    # a healthy stretch (kl 1e-6) of 8 updates, then 4 updates at kl 5e-4 with the ESS still 1
+    with SummaryWriter(str(tmp_path / "tb")) as w:
+        for step in range(1, 13):
+            w.add_scalar("rollout_corr/kl", 1e-6 if step <= 8 else 5e-4, step)
+            w.add_scalar("rollout_corr/ess", 1.0, step)
+    assert replay.main([str(tmp_path / "tb"), "--targets", "1e-3,3e-4,1e-7", "--window", "4"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "3 windows of 4 updates" in out[0] and "max 0.0005" in out[0]
+    assert out[1:] == ["  target 0.001: 0 windows over", "  target 0.0003: 1 windows over, the first ending at update 12",
+                       "  target 1e-07: 3 windows over, the first ending at update 4"]
+    wins = replay.windows(replay.read_trace(tmp_path / "tb"), 3)  # 12 updates: 4 windows of 3
+    assert [u for u, _ in wins] == [3, 6, 9, 12] and replay.over(wins, 3e-4, 3) == [12]
+    assert replay.over(wins, 1e-4, 3) == [9, 12]  # (1e-6 + 1e-6 + 5e-4) / 3 = 1.7e-4 in the third
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SystemExit, match="no `rollout_corr/kl` logged"):
+        replay.main([str(tmp_path / "empty")])
+    with pytest.raises(SystemExit):
+        replay.main([str(tmp_path / "tb"), "--targets", "0"])
