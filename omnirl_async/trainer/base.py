@@ -349,6 +349,7 @@ class BaseTrainer:
                 # ---- 4. metrics: the same keys, with the same meaning, in every mode
                 metrics = self.step_metrics(metrics, step.batch, timer, time.perf_counter() - t_run)
                 self.tracking.log(metrics, self.global_step)
+                bar.set_description_str(self.progress_label(), refresh=False)  # auto's threshold moves
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics.get('critic/rewards/mean', float('nan')):.3f}",
                                 lag=f"{metrics.get('training/off_policy/trajectory_staleness/max', 0):.0f}")

@@ -275,7 +275,7 @@ def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
 @pytest.mark.slow  # a training run on Ray (~20 s on 2 cores)
 @pytest.mark.parametrize("mode", ["sync", "separate_async"])
 def test_a_run_with_auto_logs_every_decision_and_keeps_every_lag_within_its_bound(request, small_overrides,
-                                                                                  tmp_path, mode):
+                                                                                  tmp_path, mode, capfd):
     from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
 
     overrides = small_overrides + [
@@ -283,7 +283,8 @@ def test_a_run_with_auto_logs_every_decision_and_keeps_every_lag_within_its_boun
         "trainer.v1.sampler.auto.window=2", "trainer.v1.sampler.auto.max=2", "trainer.total_training_steps=6",
         "trainer.total_epochs=50", "actor_rollout_ref.rollout.num_workers=2", "actor_rollout_ref.rollout.n=2",
         "actor_rollout_ref.rollout.pipeline.num_inference_steps=3", "trainer.resume_mode=disable",
-        f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'tb'}"]
+        f"trainer.default_local_dir={tmp_path / 'ckpt'}", f"trainer.log_dir={tmp_path / 'tb'}",
+        "trainer.progress_bar=true"]
     if mode == "sync":  # sync trains on-policy: refused at start-up, with the reason
         with pytest.raises(ConfigError, match="sync trains on-policy"):
             load_config(overrides)
@@ -309,6 +310,9 @@ def test_a_run_with_auto_logs_every_decision_and_keeps_every_lag_within_its_boun
     assert any(p.startswith("max_off_policy_threshold auto: final") for p in printed)
     # the run starts at auto.min = 0; the learner waited on held-back workers, so it raised at least once
     assert threshold[0][1] == 0 and auto["counts"]["raise"] >= 1
+    # the progress bar's label follows the threshold (it was set once, at the start, and said "now 0" throughout)
+    last_bar = capfd.readouterr().err.split("\r")[-1]
+    assert f"(lag<=auto, now {summary['threshold']})" in last_bar, last_bar
     # every trained sample within the bound its prompt was admitted under, nothing dropped
     lags = [lv - bv for _, _, _, bv, lv in trainer.trained_log]
     assert max(lags) <= max(v for _, v in threshold) and summary["dropped_samples"] == 0
