@@ -200,9 +200,9 @@ def _defaults_overrides(loader, overrides: Sequence[str]) -> tuple[str, ...]:
 
 
 def _sources_signature(sources) -> tuple | None:
-    """Each config source, and for a folder on disk every file under it with a digest of its bytes (timestamps
-    are too coarse on some file systems to see a file rewritten within a few ms); None (do not cache) for a
-    folder of more than :data:`_SIGNED_FILES_MAX` files."""
+    """Each config source, and for a folder on disk every ``.yaml`` file under it (what Hydra's file source
+    composes) with a digest of its bytes (timestamps are too coarse on some file systems to see a file rewritten
+    within a few ms); None (do not cache) for a folder of more than :data:`_SIGNED_FILES_MAX` of them."""
     out = []
     for source in sources:
         entry: tuple = (source.provider, source.scheme(), source.path)
@@ -210,7 +210,7 @@ def _sources_signature(sources) -> tuple | None:
             files = []
             for root, dirs, names in os.walk(source.path):
                 dirs.sort()
-                for name in sorted(names):
+                for name in sorted(n for n in names if n.endswith(".yaml")):  # all a file source composes
                     if len(files) >= _SIGNED_FILES_MAX:
                         return None
                     path = os.path.join(root, name)
