@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+from pathlib import Path
 import warnings
 
 import pytest
@@ -310,6 +311,23 @@ def test_user_set_keys_follow_a_recipe_rewritten_between_two_loads(tmp_path):
                                               "adv_clip_max: 4.0\n")
     _check(load_config(["loss=plain"], config_name="grouped", config_dir=cdir), {CLIP: 2e-6})
     _check(load_config(["loss=tight"], config_name="grouped", config_dir=cdir), {CLIP: 3e-6})
+
+
+def test_the_cache_reads_only_the_yaml_files_of_a_config_folder(tmp_path, monkeypatch):
+    from omnirl_async.config import loader
+
+    cdir = _config_dir(tmp_path, guard=GUARD_RECIPE)
+    (cdir / "adapter.safetensors").write_bytes(b"\0" * 1024)  # e.g. a LoRA kept beside the recipes
+    opened: list[str] = []
+    real_open = open
+
+    def spy(path, *a, **kw):
+        opened.append(Path(path).name)
+        return real_open(path, *a, **kw)
+
+    monkeypatch.setattr(loader, "open", spy, raising=False)
+    load_config(config_name="guard", config_dir=cdir)
+    assert sorted(set(opened)) == ["diffusion_trainer.yaml", "guard.yaml"]
 
 
 def test_presets_module_names_its_triggers():
