@@ -243,7 +243,8 @@ def test_replay_auto_threshold_counts_the_windows_a_target_would_lower_on(tmp_pa
     assert replay.main([str(tmp_path / "tb"), "--targets", "1e-3,3e-4,1e-7", "--window", "4"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert "3 windows of 4 updates" in out[0] and "max 0.0005" in out[0]
-    assert out[1:] == ["  target 0.001: 0 windows over", "  target 0.0003: 1 windows over, the first ending at update 12",
+    assert out[1:] == ["  target 0.001: 0 windows over",
+                       "  target 0.0003: 1 windows over, the first ending at update 12",
                        "  target 1e-07: 3 windows over, the first ending at update 4"]
     wins = replay.windows(replay.read_trace(tmp_path / "tb"), 3)  # 12 updates: 4 windows of 3
     assert [u for u, _ in wins] == [3, 6, 9, 12] and replay.over(wins, 3e-4, 3) == [12]

@@ -85,7 +85,8 @@ from typing import NamedTuple
 import torch
 
 __all__ = ["RS_CRITERIA", "SAFETY_BOUND", "RolloutCorrectionResult", "compute_bypass_correction",
-           "compute_rollout_correction", "correction_weights", "parse_is_threshold", "parse_rs_thresholds", "sequence_level_options"]
+           "compute_rollout_correction", "correction_weights", "parse_is_threshold", "parse_rs_thresholds",
+           "sequence_level_options"]
 
 SAFETY_BOUND = 20.0
 RS_CRITERIA = ("token_k1", "token_k2", "token_k3",
