@@ -152,13 +152,14 @@ def user_set_keys(config_name: str, overrides: Sequence[str]) -> set[str]:
     """
     keys: set[str] = set()
     parser = OverridesParser.create()
-    for text in overrides:
+    parsed = [parser.parse_override(text) for text in overrides]
+    for text, override in zip(overrides, parsed):
         key = override_key(text)
         if not key or "/" in key:  # a config-group choice (hydra/...), not a key
             continue
-        value = parser.parse_override(text).value() if "=" in text else None
+        value = override.value() if "=" in text else None
         keys |= _leaf_paths(OmegaConf.create(value), key) if isinstance(value, dict) else {key}
-    return keys | _file_keys(config_name, overrides)
+    return keys | _file_keys(config_name, overrides, parsed)
 
 
 #: :func:`_file_keys` per composition: (config name, the overrides that can change the defaults list, the config
@@ -169,14 +170,15 @@ _FILE_KEYS_MAX = 256
 _SIGNED_FILES_MAX = 500
 
 
-def _file_keys(config_name: str, overrides: Sequence[str]) -> frozenset[str]:
+def _file_keys(config_name: str, overrides: Sequence[str], parsed: Sequence) -> frozenset[str]:
     """The keys written in the composition's config files other than the schema and the trainer YAML (cached;
     the cache key changes whenever a file of a config source, a config-group choice or the ConfigStore does)."""
     loader = GlobalHydra.instance().config_loader()
     sources = _sources_signature(loader.get_sources())
     if sources is None:
         return frozenset(_read_file_keys(loader, config_name, overrides))
-    sig = (config_name, _defaults_overrides(loader, overrides), sources, _store_names(ConfigStore.instance().repo))
+    sig = (config_name, _defaults_overrides(loader, overrides, parsed), sources,
+           _store_names(ConfigStore.instance().repo))
     hit = _FILE_KEYS.get(sig)
     if hit is None:
         hit = frozenset(_read_file_keys(loader, config_name, overrides))
@@ -186,17 +188,12 @@ def _file_keys(config_name: str, overrides: Sequence[str]) -> frozenset[str]:
     return hit
 
 
-def _defaults_overrides(loader, overrides: Sequence[str]) -> tuple[str, ...]:
-    """The overrides that can change the defaults list, as Hydra sorts them: config-group choices (a non-mapping
-    value for a key that names a group) and anything under ``hydra`` (its search path adds config sources)."""
-    parser = OverridesParser.create()
-    out = []
-    for text in overrides:
-        o = parser.parse_override(text)
-        if o.key_or_group.startswith("hydra") or (
-                not isinstance(o.value(), dict) and loader.repository.group_exists(o.key_or_group)):
-            out.append(text)
-    return tuple(out)
+def _defaults_overrides(loader, overrides: Sequence[str], parsed: Sequence) -> tuple[str, ...]:
+    """The overrides (``parsed``: each one parsed) that can change the defaults list, as Hydra sorts them:
+    config-group choices (a non-mapping value for a key that names a group) and anything under ``hydra`` (its
+    search path adds config sources)."""
+    return tuple(text for text, o in zip(overrides, parsed) if o.key_or_group.startswith("hydra") or (
+        not isinstance(o.value(), dict) and loader.repository.group_exists(o.key_or_group)))
 
 
 def _sources_signature(sources) -> tuple | None:
