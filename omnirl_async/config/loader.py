@@ -78,9 +78,11 @@ def override_key(text: str) -> str:
     return text.lstrip("+~").split("=", 1)[0].split("@", 1)[0].strip()
 
 
-def check_override_syntax(overrides: Sequence[str]) -> None:
-    """Parse each override alone; raise :class:`ConfigError` naming the key of the first malformed one."""
-    parser = None
+def check_override_syntax(overrides: Sequence[str]) -> list:
+    """Parse each override alone; raise :class:`ConfigError` naming the key of the first malformed one.
+
+    Returns the parsed overrides (Hydra's ``Override``), one per string, for callers that need them again."""
+    parser, out = None, []
     for text in overrides:
         if not isinstance(text, str):
             raise ConfigError(f"override {text!r} is a {type(text).__name__}; overrides are strings such as "
@@ -100,6 +102,8 @@ def check_override_syntax(overrides: Sequence[str]) -> None:
             raise ConfigError(f"`{key}`: {text!r} is a sweep (choice/range/glob/interval/shuffle/sort); a run "
                               f"takes one value: write `{key}=<value>`.")
         _check_bool_value(key, parsed)
+        out.append(parsed)
+    return out
 
 
 def _check_bool_value(key: str, parsed) -> None:
@@ -127,14 +131,14 @@ def _compose(overrides: Sequence[str], *, config_name: str,
              config_dir: str | os.PathLike | None) -> tuple[DictConfig, _presets.PresetReport]:
     register_configs()
     overrides = list(overrides)
-    check_override_syntax(overrides)
+    parsed = check_override_syntax(overrides)
     cdir = Path(config_dir).resolve() if config_dir is not None else default_config_dir()
     if GlobalHydra.instance().is_initialized():
         GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(cdir), version_base="1.3"):
             cfg = compose(config_name=config_name, overrides=overrides)
-            user_keys = user_set_keys(config_name, overrides)
+            user_keys = user_set_keys(config_name, overrides, parsed=parsed)
     except ConfigError:
         raise
     except Exception as err:  # noqa: BLE001 - Hydra/OmegaConf internals: translate, never pass through
@@ -142,17 +146,19 @@ def _compose(overrides: Sequence[str], *, config_name: str,
     return cfg, _presets.apply_presets(cfg, user_keys)
 
 
-def user_set_keys(config_name: str, overrides: Sequence[str]) -> set[str]:
+def user_set_keys(config_name: str, overrides: Sequence[str], *, parsed: Sequence | None = None) -> set[str]:
     """The key paths the user set: those of the command-line overrides, and every key written in a config file
     of the composition other than the schema and the trainer YAML (:data:`BASE_CONFIG_NAME`).
 
     Call inside an initialised Hydra context (as :func:`compose_config` does). The defaults list and the files'
     own text come from Hydra's config loader (the interface config-source plugins implement), so recipes that
-    include other recipes, config groups and ``@package`` placement are all followed.
+    include other recipes, config groups and ``@package`` placement are all followed. ``parsed``: the overrides
+    already parsed (what :func:`check_override_syntax` returns), else they are parsed here.
     """
     keys: set[str] = set()
-    parser = OverridesParser.create()
-    parsed = [parser.parse_override(text) for text in overrides]
+    if parsed is None:
+        parser = OverridesParser.create()
+        parsed = [parser.parse_override(text) for text in overrides]
     for text, override in zip(overrides, parsed):
         key = override_key(text)
         if not key or "/" in key:  # a config-group choice (hydra/...), not a key
