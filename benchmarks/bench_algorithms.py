@@ -30,6 +30,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 
@@ -123,22 +124,26 @@ def run_one(algo: str, args, out: Path, prompts, base) -> dict:
     return run_setting(algo, base_overrides(algo) + ALGOS[algo], args, out, prompts, base)
 
 
-def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base) -> dict:
+def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base,
+                train_overrides: Sequence[str] = ()) -> dict:
     """Train ``overrides`` for ``args.minutes``, checkpointing every ``args.eval_every`` steps, and score every
     checkpoint on ``prompts``: steps, minutes, before/after, gain with its CI, minutes to +10, the curve.
+    ``train_overrides`` apply to training only, not to the held-out scoring (e.g. a remote training reward).
     ``benchmarks/bench_staleness.py`` runs its settings through here too."""
     from omnirl_async.config import load_config
     from omnirl_async.trainer.task_runner import TaskRunner
 
     run = out / label
-    cfg = load_config(overrides + [
+    common = overrides + [
         f"trainer.total_time_minutes={args.minutes}", "trainer.total_training_steps=100000",
         f"trainer.save_freq={args.eval_every}", f"trainer.default_local_dir={run / 'ckpt'}",
         f"trainer.log_dir={run / 'tb'}", f"actor_rollout_ref.rollout.val_kwargs.n={args.images_per_prompt}",
-        f"data.seed={args.seed}", *args.overrides])
+        f"data.seed={args.seed}", *args.overrides]
+    cfg = load_config(common)  # what the held-out scoring reads: the model, the local reward, val_kwargs, seed
     t0 = time.time()
     with CpuMeter() as cpu:
-        summary = TaskRunner(cfg, printer=lambda *a: None).run()
+        summary = TaskRunner(load_config(common + list(train_overrides)) if train_overrides else cfg,
+                             printer=lambda *a: None).run()
     minutes = (time.time() - t0) / 60
     rewards = _scalars(run / "tb", "critic/rewards/mean")
     t_first = rewards[0][0] if rewards else t0

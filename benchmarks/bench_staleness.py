@@ -4,6 +4,7 @@
                                          [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
                                          [--correction decoupled,bypass]
                                          [--target 10] [--hold 3] [--table-from RESULTS_JSON ...]
+                                         [--reward-latency SECONDS]
                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/staleness]
 
 Trains the embedded shapes model with one recipe (``nft``: the demo's
@@ -21,6 +22,14 @@ FlowGRPO's GENEVAL_RECIPE) for ``--minutes`` of wall-clock per setting:
   bypass-mode rollout correction (label suffix ``bypass``): the PPO ratio against
   the behaviour policy, so stale samples' steps fall outside FlowGRPO's clip
   range (the ``clipped %`` column: ``actor/pg_clipfrac``).
+
+``--reward-latency S`` scores the training reward on a reward server
+(``python -m omnirl_async.rewards.http_scorer``, the recipe's reward and
+kwargs, a process of its own on loopback) that answers each batch ``S``
+seconds late: a remote
+reward service (a VLM judge on other machines) whose latency, not its
+capacity, is modelled (it scores up to 8 batches at once: every group the 2
+workers can have in flight). The held-out scoring stays local.
 
 Every setting checkpoints every ``--eval-every`` steps; each checkpoint is
 scored on the held-out prompts (GenEval protocol: ODE sampling, fixed seeds,
@@ -49,6 +58,7 @@ believing a ranking.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -116,6 +126,55 @@ def run_metrics(run_dir: Path) -> dict[str, float | None]:
 
 def fmt(v, spec: str) -> str:
     return "-" if v is None else format(v, spec)
+
+
+#: batches the ``--reward-latency`` server scores at once: rollout.num_workers (2) x the groups a worker keeps in
+#: flight while it samples the next (RolloutWorker.max_inflight_scores, 4)
+REMOTE_CONCURRENCY = 8
+
+
+@contextlib.contextmanager
+def remote_reward(recipe: list[str], latency_s: float, log_path: Path, start_timeout_s: float = 60.0):
+    """Yield the training-only overrides that score the recipe's reward on a reward server in its own process (a
+    service: its own interpreter and GIL), ``latency_s`` late per batch; none for 0 (the reward runs in the
+    rollout workers as usual). The server's output goes to ``log_path``; it is stopped on exit."""
+    if not latency_s:
+        yield []
+        return
+    import subprocess
+
+    from omnirl_async.config import load_config
+
+    reward = load_config(recipe).reward
+    if reward.reward_functions or reward.custom_reward_function.path is not None:
+        raise SystemExit("--reward-latency serves the recipe's `reward.reward_fn_name`; this recipe combines "
+                         "several reward functions or a custom one")
+    cmd = [sys.executable, "-m", "omnirl_async.rewards.http_scorer", "--reward", reward.reward_fn_name,
+           "--kwargs", json.dumps(dict(reward.reward_kwargs)), "--port", "0", "--delay", str(latency_s),
+           "--concurrency", str(REMOTE_CONCURRENCY)]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline, url = time.monotonic() + start_timeout_s, None
+        while url is None:
+            text = log_path.read_text()
+            url = next((ln.split(" at ", 1)[1].split()[0] for ln in text.splitlines()
+                        if ln.startswith("serving reward")), None)
+            if url is None and (proc.poll() is not None or time.monotonic() > deadline):
+                raise SystemExit(f"the reward server (process {proc.pid}) did not start within {start_timeout_s:g} "
+                                 f"s (exit code {proc.poll()}; `{' '.join(cmd)}`); its output ({log_path}):\n"
+                                 f"{text[-2000:]}")
+            time.sleep(0.1)
+        print(f"training reward {reward.reward_fn_name!r} served at {url} by process {proc.pid}, "
+              f"{latency_s:g} s per batch (log: {log_path})", flush=True)
+        yield ["reward.reward_fn_name=http_scorer", f"+reward.reward_kwargs.url={url}"]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def _speedup(label: str, sync_key: str, base: float | None, t: float | None) -> str:
@@ -198,8 +257,13 @@ def main(argv=None) -> int:
     ap.add_argument("--table-from", metavar="RESULTS_JSON", nargs="+", default=None,
                     help="print the table of an earlier run's results.json (e.g. with another --target) and exit; "
                          "with several (e.g. one per seed), each one's table and then the times side by side")
+    ap.add_argument("--reward-latency", type=float, default=0.0, metavar="SECONDS",
+                    help="score the training reward on a loopback server answering each batch this late "
+                         "(a remote reward service); 0 = in the rollout workers")
     add_heldout_args(ap, "bench_out/staleness")
     args = ap.parse_args(argv)
+    if not args.reward_latency >= 0:
+        ap.error(f"--reward-latency {args.reward_latency}: seconds >= 0")
     if args.hold < 1:
         ap.error(f"--hold {args.hold}: the number of checkpoints averaged must be >= 1")
     if args.table_from:
@@ -218,15 +282,21 @@ def main(argv=None) -> int:
     out, prompts, base = heldout_setup(args)
     t0 = time.time()
     results: dict[str, dict] = {}
-    for label, overrides in settings(args):
-        r = run_setting(label.replace(" ", "_").replace("=", ""), overrides, args, out, prompts, base)
-        r["metrics"] = run_metrics(Path(r["run_dir"]))
-        results[label] = r
-        (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    with remote_reward(RECIPES[args.recipe] + args.overrides, args.reward_latency,
+                       out / "reward_server.log") as train_only:
+        for label, overrides in settings(args):
+            r = run_setting(label.replace(" ", "_").replace("=", ""), overrides, args, out, prompts, base,
+                            train_overrides=train_only)
+            r["metrics"] = run_metrics(Path(r["run_dir"]))
+            r["reward_latency_s"] = args.reward_latency
+            results[label] = r
+            (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     plot(results, out / "curves.png",
          title="held-out strict accuracy vs training wall-clock: sync and separate_async thresholds")
     print(f"\nrecipe {args.recipe}, {args.minutes:g} min per setting, held-out GenEval overall strict accuracy "
-          f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed}); {time.time() - t0:.0f} s:")
+          f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed})"
+          + (f", training reward {args.reward_latency:g} s late per batch" if args.reward_latency else "")
+          + f"; {time.time() - t0:.0f} s:")
     print("\n".join(table(results, target=args.target, hold=args.hold)))
     print(f"curves: {out / 'curves.png'}; command: python benchmarks/bench_staleness.py "
           f"{' '.join(argv if argv is not None else sys.argv[1:])}")

@@ -91,6 +91,47 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     assert bench.across({"a": results, "b": {"sync": other["sync"]}}, target=5, hold=2)[4].endswith("| - |")
 
 
+def test_staleness_remote_reward_serves_the_recipe_reward_late_and_stops(tmp_path):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_staleness")
+    recipe = bench.RECIPES["geneval"]
+    with bench.remote_reward(recipe, 0.0, tmp_path / "none.log") as extra:
+        assert extra == []  # no latency: the reward stays in the rollout workers
+    image = np.zeros((1, 32, 32, 3), np.uint8)
+    image[0, 4:14, 2:12][shape_template("square", 10)] = PALETTE["red"]
+    image[0, 4:14, 18:28][shape_template("circle", 10)] = PALETTE["red"]
+    with bench.remote_reward(recipe, 0.3, tmp_path / "server.log") as extra:
+        cfg = load_config(recipe + extra)
+        assert cfg.reward.reward_fn_name == "http_scorer"
+        reward = RewardManager.from_config(cfg.reward)
+        t0 = time.perf_counter()
+        scored = reward(image, ["a red square"])
+        took = time.perf_counter() - t0
+    assert took >= 0.3 and "serving reward 'tiny_geneval'" in (tmp_path / "server.log").read_text()  # answered late
+    # the recipe's own reward kwargs reached the server: the extra circle costs the training score (penalize_extras)
+    assert not scored.failed.any() and scored.extra["http_scorer/strict"].tolist() == [1.0], sorted(scored.extra)
+    np.testing.assert_allclose(scored.scores, [1 / 3], rtol=1e-6)
+    cfg = load_config(recipe + extra + ["+reward.reward_kwargs.retries=0", "+reward.reward_kwargs.timeout=2"])
+    assert RewardManager.from_config(cfg.reward)(image, ["a red square"]).failed.all()  # the server stopped
+
+
+def test_staleness_remote_reward_that_does_not_start_in_time_says_why_and_is_stopped(tmp_path):
+    import os
+    import re
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_staleness")
+    with pytest.raises(SystemExit, match=r"did not start within 0 s \(exit code None; `.*http_scorer") as err:
+        with bench.remote_reward(bench.RECIPES["geneval"], 0.1, tmp_path / "server.log", start_timeout_s=0.0):
+            pass
+    pid = int(re.search(r"process (\d+)", str(err.value)).group(1))
+    with pytest.raises(ProcessLookupError):  # terminated and reaped on the way out
+        os.kill(pid, 0)
+
+
 def test_minutes_to_a_target_on_one_checkpoint_or_held_over_several():
     import sys
 
