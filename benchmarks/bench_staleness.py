@@ -26,10 +26,10 @@ FlowGRPO's GENEVAL_RECIPE) for ``--minutes`` of wall-clock per setting:
 ``--reward-latency S`` scores the training reward on a reward server
 (``python -m omnirl_async.rewards.http_scorer``, the recipe's reward and
 kwargs, a process of its own on loopback) that answers each batch ``S``
-seconds late: a remote
-reward service (a VLM judge on other machines) whose latency, not its
-capacity, is modelled (it scores up to 8 batches at once: every group the 2
-workers can have in flight). The held-out scoring stays local.
+seconds late: a remote reward service (a VLM judge on other machines) whose
+latency, not its capacity, is modelled (it scores up to 8 batches at once:
+every group the 2 workers can have in flight). The held-out scoring stays
+local.
 
 Every setting checkpoints every ``--eval-every`` steps; each checkpoint is
 scored on the held-out prompts (GenEval protocol: ODE sampling, fixed seeds,
