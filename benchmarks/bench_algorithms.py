@@ -181,7 +181,8 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
 
 
 def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenEval overall) vs training "
-         "wall-clock") -> None:
+         "wall-clock", target: float | None = None) -> None:
+    """One line per setting; with ``target`` (points), a dashed gray line at the base's accuracy + target points."""
     from PIL import Image, ImageDraw, ImageFont
 
     colours = ["blue", "red", "green", "orange", "purple", "brown", "black", "gray", "cyan", "magenta", "olive"]
@@ -190,7 +191,9 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
     d = ImageDraw.Draw(img)
     font = ImageFont.load_default()
     xmax = max([m for r in results.values() for m, _ in r["curve"]] + [1e-6])
-    ymax = max([v for r in results.values() for _, v in r["curve"]] + [0.1]) * 1.1
+    bases = [r["before"] for r in results.values() if r.get("before") is not None]
+    goal = max(bases) + target / 100 if target is not None and bases else None
+    ymax = max([v for r in results.values() for _, v in r["curve"]] + [0.1] + ([goal] if goal else [])) * 1.1
 
     def xy(m, v):
         return pad + (w - 2 * pad) * m / xmax, h - pad - (h - 2 * pad) * v / ymax
@@ -202,6 +205,11 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
         x, y = xy(0, v)
         d.text((x - 40, y - 6), f"{v:.2f}", fill="black", font=font)
     d.text((w / 2 - 60, h - pad + 16), f"training minutes (0 - {xmax:.1f})", fill="black", font=font)
+    if goal is not None:
+        (x0, y), (x1, _) = xy(0, goal), xy(xmax, goal)
+        for x in np.arange(x0, x1, 12.0):
+            d.line([(x, y), (min(x + 6, x1), y)], fill="gray", width=1)
+        d.text((x0 + 4, y - 12), f"base + {target:g} points", fill="gray", font=font)
     for i, (algo, r) in enumerate(results.items()):
         c = colours[i % len(colours)]
         if len(r["curve"]) > 1:

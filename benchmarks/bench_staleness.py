@@ -3,7 +3,7 @@
     python benchmarks/bench_staleness.py [--minutes 4] [--eval-every 15] [--thresholds 0,1,2,4]
                                          [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
                                          [--correction decoupled,bypass]
-                                         [--target 10] [--hold 3] [--table-from RESULTS_JSON ...]
+                                         [--target 10] [--hold 3] [--table-from RESULTS_JSON ... [--plot PNG]]
                                          [--reward-latency SECONDS]
                                          [--num-prompts 256] [--images-per-prompt 4] [--out bench_out/staleness]
 
@@ -48,9 +48,9 @@ several points between neighbouring checkpoints no longer reaches the target on
 one lucky point); ``--table-from <out>/results.json --target 5`` prints
 an earlier run's table for another target without training again (give it
 several runs' results.json, e.g. one per ``--seed``, and it prints their times
-side by side). Writes
-``<out>/curves.png`` (accuracy vs minutes, one
-line per setting) and ``<out>/results.json``. On 2 shared cores expect a
+side by side; with one, ``--plot PNG`` redraws its curves). Writes
+``<out>/curves.png`` (accuracy vs minutes, one line per setting, a dashed line
+at the base + ``--target`` points) and ``<out>/results.json``. On 2 shared cores expect a
 minute or two of noise in the time to +10: run it twice (``--seed``) before
 believing a ranking.
 """
@@ -88,6 +88,7 @@ AUTO_RECIPES = ("geneval",)
 HOLD = 3
 METRICS = ["perf/throughput", "perf/learner_idle_frac", "rollout_corr/kl", "rollout_corr/ess", "actor/pg_clipfrac"]
 #: ``--correction`` values: the recipe's decoupled rollout correction, or bypass mode (old := behaviour)
+PLOT_TITLE = "held-out strict accuracy vs training wall-clock: sync and separate_async thresholds"
 CORRECTIONS = {"decoupled": [], "bypass": ["algorithm.rollout_correction.bypass_mode=true",
                                            "algorithm.rollout_correction.rollout_is=null"]}
 
@@ -257,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table-from", metavar="RESULTS_JSON", nargs="+", default=None,
                     help="print the table of an earlier run's results.json (e.g. with another --target) and exit; "
                          "with several (e.g. one per seed), each one's table and then the times side by side")
+    ap.add_argument("--plot", metavar="PNG", type=Path, default=None,
+                    help="with --table-from and one results.json: redraw its curves (with the --target line) here")
     ap.add_argument("--reward-latency", type=float, default=0.0, metavar="SECONDS",
                     help="score the training reward on a loopback server answering each batch this late "
                          "(a remote reward service); 0 = in the rollout workers")
@@ -264,6 +267,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.reward_latency >= 0:
         ap.error(f"--reward-latency {args.reward_latency}: seconds >= 0")
+    if args.plot and len(args.table_from or ()) != 1:
+        ap.error("--plot redraws one earlier run: give it with --table-from RESULTS_JSON (exactly one)")
     if args.hold < 1:
         ap.error(f"--hold {args.hold}: the number of checkpoints averaged must be >= 1")
     if args.table_from:
@@ -272,6 +277,10 @@ def main(argv=None) -> int:
             print(f"{path}:\n" + "\n".join(table(results, target=args.target, hold=args.hold)) + "\n")
         if len(runs) > 1:
             print("\n".join(across(runs, target=args.target, hold=args.hold)))
+        if args.plot:
+            (results,) = runs.values()
+            plot(results, args.plot, title=PLOT_TITLE, target=args.target)
+            print(f"curves: {args.plot}")
         return 0
     if any(k < 0 for k in args.thresholds):
         ap.error(f"--thresholds {args.thresholds}: integers >= 0")
@@ -291,8 +300,7 @@ def main(argv=None) -> int:
             r["reward_latency_s"] = args.reward_latency
             results[label] = r
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    plot(results, out / "curves.png",
-         title="held-out strict accuracy vs training wall-clock: sync and separate_async thresholds")
+    plot(results, out / "curves.png", title=PLOT_TITLE, target=args.target)
     print(f"\nrecipe {args.recipe}, {args.minutes:g} min per setting, held-out GenEval overall strict accuracy "
           f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed})"
           + (f", training reward {args.reward_latency:g} s late per batch" if args.reward_latency else "")

@@ -91,6 +91,38 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     assert bench.across({"a": results, "b": {"sync": other["sync"]}}, target=5, hold=2)[4].endswith("| - |")
 
 
+def test_staleness_plot_draws_the_target_line_and_redraws_an_earlier_run(tmp_path):
+    import json
+    import sys
+
+    from PIL import Image
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_staleness")
+    row = {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": 0.2, "gain": 10.0, "ci": [5.0, 15.0]}
+    results = {"sync": dict(row, after=0.31, curve=[[0.0, 0.2], [1.5, 0.25], [3.0, 0.31]]),
+               "async t=2 wait": dict(row, after=0.3, curve=[[0.0, 0.2], [1.0, 0.22], [2.0, 0.30]])}
+    (tmp_path / "results.json").write_text(json.dumps(results))
+
+    def gray_rows(png):
+        a = np.asarray(Image.open(png).convert("RGB")).astype(int)
+        return np.nonzero(((a == 128).all(axis=2)).sum(axis=1) > 100)[0]  # rows mostly drawn in dashes
+
+    bench.plot(results, tmp_path / "plain.png")  # no target: no dashed line
+    assert gray_rows(tmp_path / "plain.png").size == 0
+    assert bench.main(["--table-from", str(tmp_path / "results.json"), "--target", "5",
+                       "--plot", str(tmp_path / "t5.png")]) == 0
+    # base 20 % + 5 points = 0.25 on an axis up to 1.1 x 0.31: row 400 - 52 - 296 x 0.25 / 0.341
+    (row,) = gray_rows(tmp_path / "t5.png")
+    assert abs(row - (348 - 296 * 0.25 / (0.31 * 1.1))) <= 1
+    assert bench.main(["--table-from", str(tmp_path / "results.json"), "--target", "20",
+                       "--plot", str(tmp_path / "t20.png")]) == 0  # a target over every curve widens the axis
+    (row,) = gray_rows(tmp_path / "t20.png")
+    assert abs(row - (348 - 296 / 1.1)) <= 1
+    with pytest.raises(SystemExit):  # nothing to redraw without one earlier run
+        bench.main(["--plot", str(tmp_path / "x.png")])
+
+
 def test_staleness_remote_reward_serves_the_recipe_reward_late_and_stops(tmp_path):
     import sys
 
