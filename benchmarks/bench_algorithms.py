@@ -186,7 +186,7 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
     from PIL import Image, ImageDraw, ImageFont
 
     colours = ["blue", "red", "green", "orange", "purple", "brown", "black", "gray", "cyan", "magenta", "olive"]
-    w, h, pad = 720, 400, 52
+    w, h, pad, legend_w = 870, 400, 52, 150  # the legend in a column of its own, right of the curves
     img = Image.new("RGB", (w, h), "white")
     d = ImageDraw.Draw(img)
     font = ImageFont.load_default()
@@ -196,7 +196,7 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
     ymax = max([v for r in results.values() for _, v in r["curve"]] + [0.1] + ([goal] if goal else [])) * 1.1
 
     def xy(m, v):
-        return pad + (w - 2 * pad) * m / xmax, h - pad - (h - 2 * pad) * v / ymax
+        return pad + (w - 2 * pad - legend_w) * m / xmax, h - pad - (h - 2 * pad) * v / ymax
 
     d.line([xy(0, 0), xy(xmax, 0)], fill="black")
     d.line([xy(0, 0), xy(0, ymax)], fill="black")
@@ -204,7 +204,7 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
         v = ymax * k / 4
         x, y = xy(0, v)
         d.text((x - 40, y - 6), f"{v:.2f}", fill="black", font=font)
-    d.text((w / 2 - 60, h - pad + 16), f"training minutes (0 - {xmax:.1f})", fill="black", font=font)
+    d.text(((w - legend_w) / 2 - 60, h - pad + 16), f"training minutes (0 - {xmax:.1f})", fill="black", font=font)
     if goal is not None:
         (x0, y), (x1, _) = xy(0, goal), xy(xmax, goal)
         for x in np.arange(x0, x1, 12.0):
@@ -214,7 +214,7 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
         c = colours[i % len(colours)]
         if len(r["curve"]) > 1:
             d.line([xy(m, v) for m, v in r["curve"]], fill=c, width=2)
-        d.text((w - pad - 110, pad + 14 * i), algo, fill=c, font=font)
+        d.text((w - pad - legend_w + 16, pad + 14 * i), algo, fill=c, font=font)
     d.text((pad + 8, 8), title, fill="black", font=font)
     img.save(path)
 
