@@ -87,8 +87,9 @@ AUTO_RECIPES = ("geneval",)
 #: checkpoints in a row whose mean must clear the target for the table's "held" time-to column
 HOLD = 3
 METRICS = ["perf/throughput", "perf/learner_idle_frac", "rollout_corr/kl", "rollout_corr/ess", "actor/pg_clipfrac"]
-#: ``--correction`` values: the recipe's decoupled rollout correction, or bypass mode (old := behaviour)
+#: title of ``curves.png`` (a run's and ``--plot``'s redraw of one)
 PLOT_TITLE = "held-out strict accuracy vs training wall-clock: sync and separate_async thresholds"
+#: ``--correction`` values: the recipe's decoupled rollout correction, or bypass mode (old := behaviour)
 CORRECTIONS = {"decoupled": [], "bypass": ["algorithm.rollout_correction.bypass_mode=true",
                                            "algorithm.rollout_correction.rollout_is=null"]}
 
