@@ -153,12 +153,11 @@ def user_set_keys(config_name: str, overrides: Sequence[str], *, parsed: Sequenc
     Call inside an initialised Hydra context (as :func:`compose_config` does). The defaults list and the files'
     own text come from Hydra's config loader (the interface config-source plugins implement), so recipes that
     include other recipes, config groups and ``@package`` placement are all followed. ``parsed``: the overrides
-    already parsed (what :func:`check_override_syntax` returns), else they are parsed here.
+    already parsed (what :func:`check_override_syntax` returns), else it parses (and checks) them here.
     """
     keys: set[str] = set()
     if parsed is None:
-        parser = OverridesParser.create()
-        parsed = [parser.parse_override(text) for text in overrides]
+        parsed = check_override_syntax(overrides)
     for text, override in zip(overrides, parsed):
         key = override_key(text)
         if not key or "/" in key:  # a config-group choice (hydra/...), not a key
