@@ -193,7 +193,7 @@ def plot(results: dict, path: Path, title: str = "held-out strict accuracy (GenE
     xmax = max([m for r in results.values() for m, _ in r["curve"]] + [1e-6])
     bases = [r["before"] for r in results.values() if r.get("before") is not None]
     goal = max(bases) + target / 100 if target is not None and bases else None
-    ymax = max([v for r in results.values() for _, v in r["curve"]] + [0.1] + ([goal] if goal else [])) * 1.1
+    ymax = max([v for r in results.values() for _, v in r["curve"]] + [0.1] + ([] if goal is None else [goal])) * 1.1
 
     def xy(m, v):
         return pad + (w - 2 * pad - legend_w) * m / xmax, h - pad - (h - 2 * pad) * v / ymax
