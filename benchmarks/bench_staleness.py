@@ -1,7 +1,8 @@
 """Time to accuracy: sync vs separate_async at several staleness thresholds, same seeds and wall-clock (issue 17).
 
     python benchmarks/bench_staleness.py [--minutes 4] [--eval-every 15] [--thresholds 0,1,2,4]
-                                         [--strategies wait,drop] [--no-auto] [--recipe nft|geneval]
+                                         [--strategies wait,drop] [--no-auto] [--no-sync]
+                                         [--recipe nft|geneval]
                                          [--correction decoupled,bypass]
                                          [--target 10] [--hold 3] [--table-from RESULTS_JSON ... [--plot PNG]]
                                          [--reward-latency SECONDS]
@@ -97,7 +98,8 @@ CORRECTIONS = {"decoupled": [], "bypass": ["algorithm.rollout_correction.bypass_
 def settings(args) -> list[tuple[str, list[str]]]:
     """(label, overrides) of every setting, sync first."""
     base = RECIPES[args.recipe]
-    out = [("sync", base)]  # sync trains on-policy: both corrections give it the same updates
+    # sync trains on-policy: both corrections give it the same updates
+    out = [("sync", base)] if args.sync else []
     pg = args.recipe in AUTO_RECIPES  # direct-preference recipes carry no rollout correction
     for correction in args.corrections if pg else ["decoupled"]:
         extra, tag = CORRECTIONS[correction], "" if correction == "decoupled" else f" {correction}"
@@ -249,6 +251,8 @@ def main(argv=None) -> int:
     ap.add_argument("--thresholds", type=_list(int), default=[0, 1, 2, 4], help="max_off_policy_threshold values")
     ap.add_argument("--strategies", type=_list(str, ["wait", "drop"]), default=["wait", "drop"])
     ap.add_argument("--no-auto", dest="auto", action="store_false", help="leave out max_off_policy_threshold: auto")
+    ap.add_argument("--no-sync", dest="sync", action="store_false",
+                    help="leave out sync (e.g. more seeds of the async settings alone; no speed-up column then)")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="nft")
     ap.add_argument("--correction", dest="corrections", type=_list(str, sorted(CORRECTIONS)), default=["decoupled"],
                     help="rollout correction of the separate_async settings (geneval recipe), a comma list: "

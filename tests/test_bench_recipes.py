@@ -44,7 +44,7 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     bench = _load("bench_staleness")
     args = bench.argparse.Namespace(recipe="nft", strategies=["wait", "drop"], thresholds=[0, 2], auto=True,
-                                    corrections=["decoupled"])
+                                    corrections=["decoupled"], sync=True)
     got = {label: load_config(overrides) for label, overrides in bench.settings(args)}
     assert list(got) == ["sync", "async t=0 wait", "async t=2 wait", "async t=0 drop", "async t=2 drop"]  # no auto
     assert got["sync"].trainer.v1.trainer_mode == "sync"
@@ -64,6 +64,8 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     assert list(got) == ["sync", "async t=1 wait", "async auto", "async t=1 wait bypass", "async auto bypass"]
     assert [rc.bypass_mode for rc in got.values()] == [False, False, False, True, True]
     assert [rc.rollout_is for rc in got.values()] == ["token", "token", "token", None, None]
+    args.sync = False  # --no-sync: the same separate_async settings, sync left out
+    assert [label for label, _ in bench.settings(args)] == list(got)[1:]
     results = {"sync": {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": 0.2, "after": 0.35,
                         "gain": 15.0, "ci": [10.0, 20.0], "curve": [(0.0, 0.2), (1.5, 0.25), (3.0, 0.31)]},
                "async t=1 wait": {"steps": 20, "metrics": {**dict.fromkeys(bench.METRICS), "perf/throughput": 9.5},
