@@ -235,6 +235,78 @@ def across(runs: dict[str, dict], sync_key: str = "sync", target: float = 10.0, 
     return lines
 
 
+#: minutes between the points at which :func:`pooled` averages the runs' curves
+GRID_MIN = 0.25
+#: bootstrap resamples of the runs behind :func:`pooled`'s intervals
+BOOT = 2000
+
+
+def _gain_grid(curve: list, grid: np.ndarray) -> np.ndarray:
+    """Points over the curve's start at each minute of ``grid``, read off straight lines between checkpoints."""
+    t = np.array([m for m, _v in curve], float)
+    return np.interp(grid, t, 100.0 * (np.array([v for _m, v in curve], float) - curve[0][1]))
+
+
+def _first_at(grid: np.ndarray, gains: np.ndarray, target: float) -> np.ndarray:
+    """Per row of ``gains``: the first minute of ``grid`` at or above ``target`` (nan: never)."""
+    over = gains >= target - 1e-9
+    return np.where(over.any(-1), grid[np.argmax(over, -1)], np.nan)
+
+
+def _ci(samples: np.ndarray, fmt: str, never: str = "never") -> str:
+    """`` (lo, hi)``: the 95 % interval of bootstrap ``samples``; an infinite end (a time never reached, a ratio
+    over one) is printed as ``never``, nan (neither reached: no ratio) is left out."""
+    x = samples[~np.isnan(samples)]
+    if not len(x):
+        return " (-)"
+    ends = [np.percentile(x, 2.5, method="lower"), np.percentile(x, 97.5, method="higher")]
+    return " (" + ", ".join(never if np.isinf(e) else format(e, fmt) for e in ends) + ")"
+
+
+def _never_inf(t):
+    return np.nan_to_num(t, nan=np.inf)
+
+
+def pooled(runs: dict[str, dict], target: float = 10.0, grid_min: float = GRID_MIN, boot: int = BOOT,
+           seed: int = 0) -> list[str]:
+    """Several runs (e.g. one per ``--seed``) pooled per setting: each run's held-out curve as points over its
+    own start on a ``grid_min`` grid, averaged over the runs; minutes to ``+target`` on that mean curve, the mean
+    gain over the minutes every run covers (the area under the curve: a statistic that no single lucky checkpoint
+    moves), and, against the best fixed threshold (soonest to the target, then the larger mean gain), the ratio
+    of the times and the difference of the mean gains. The 95 % intervals resample the runs (paired: one resample
+    serves every setting). Settings missing from a run are left out; one run gives no intervals."""
+    labels = [label for label in dict.fromkeys(k for r in runs.values() for k in r)
+              if all(label in r for r in runs.values())]
+    end = min(r[label]["curve"][-1][0] for r in runs.values() for label in labels)
+    grid = np.arange(0.0, end + 1e-9, grid_min)
+    gains = {label: np.stack([_gain_grid(r[label]["curve"], grid) for r in runs.values()]) for label in labels}
+    n = len(runs)
+    idx = np.random.default_rng(seed).integers(0, n, (boot, n))
+    t_point = {k: _never_inf(_first_at(grid, g.mean(0, keepdims=True), target)[0]) for k, g in gains.items()}
+    t_boot = {k: _never_inf(_first_at(grid, g[idx].mean(1), target)) for k, g in gains.items()}
+    area = {k: g.mean(-1) for k, g in gains.items()}  # one mean gain per run
+    fixed = [k for k in labels if k.startswith("async t=")]
+    best = min(fixed, key=lambda k: (t_point[k], -area[k].mean())) if fixed else None
+    ci = (lambda samples, fmt: _ci(samples, fmt)) if n > 1 else (lambda samples, fmt: "")
+    lines = [f"pooled over {n} runs ({', '.join(runs)}), curves on a {grid_min:g}-minute grid up to {end:.1f} "
+             f"min; best fixed threshold: {best or '-'}",
+             f"| setting | min to +{target:g}, mean curve (95 % CI) | mean gain, 0-{end:.1f} min (95 % CI) | "
+             "best fixed / this: time ratio (95 % CI) | this - best fixed: mean gain (95 % CI) |", "|" + "---|" * 5]
+    with np.errstate(invalid="ignore", divide="ignore"):  # never / never: no ratio
+        for k in labels:
+            t = t_point[k]
+            cells = [("never" if np.isinf(t) else f"{t:.2f}") + ci(t_boot[k], ".2f"),
+                     f"{area[k].mean():+.2f}" + ci(area[k][idx].mean(1), "+.2f")]
+            if best is None or k == best:
+                cells += ["-", "-"]
+            else:
+                ratio, diff = t_point[best] / t, area[k] - area[best]
+                cells += [("-" if np.isnan(ratio) else f"{ratio:.2f}x") + ci(t_boot[best] / t_boot[k], ".2f"),
+                          f"{diff.mean():+.2f}" + ci(diff[idx].mean(1), "+.2f")]
+            lines.append(f"| {k} | {' | '.join(cells)} |")
+    return lines
+
+
 def _list(kind, choices=None):
     def parse(text: str):
         out = [kind(v) for v in text.split(",") if v]
@@ -281,7 +353,8 @@ def main(argv=None) -> int:
         for path, results in runs.items():
             print(f"{path}:\n" + "\n".join(table(results, target=args.target, hold=args.hold)) + "\n")
         if len(runs) > 1:
-            print("\n".join(across(runs, target=args.target, hold=args.hold)))
+            print("\n".join(across(runs, target=args.target, hold=args.hold)) + "\n")
+            print("\n".join(pooled(runs, target=args.target)))
         if args.plot:
             (results,) = runs.values()
             plot(results, args.plot, title=PLOT_TITLE, target=args.target)

@@ -125,6 +125,41 @@ def test_staleness_plot_draws_the_target_line_and_redraws_an_earlier_run(tmp_pat
         bench.main(["--plot", str(tmp_path / "x.png")])
 
 
+def test_staleness_pooled_averages_runs_and_compares_each_setting_with_the_best_fixed_threshold(tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    bench = _load("bench_staleness")
+
+    def line(base, slope):  # a checkpoint a minute, `slope` points a minute over the run's own base
+        return {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": base, "after": base, "gain": 0.0,
+                "ci": [0.0, 0.0], "curve": [[float(m), base + slope * m / 100] for m in range(11)]}
+
+    runs = {f"s{i}": {"async t=1 wait": line(base, 2.0), "async t=2 wait": line(base, 4.0),
+                      "async auto": line(base, a), "async t=4 wait": line(base, 0.5)}
+            for i, (base, a) in enumerate([(0.20, 2.0), (0.25, 4.0), (0.30, 4.0)])}
+    runs["s0"]["sync"] = line(0.2, 8.0)  # in one run only: left out
+    rows = bench.pooled(runs)
+    assert "best fixed threshold: async t=2 wait" in rows[0] and "up to 10.0 min" in rows[0]
+    got = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in rows[3:]}
+    assert list(got) == ["async t=1 wait", "async t=2 wait", "async auto", "async t=4 wait"]
+    # +10 at 5.0 / 2.5 / 3.0 min (the mean of slopes 2, 4, 4) / never; mean gains over 0-10 min = 5 x slope
+    assert got["async t=1 wait"][:3] == ["5.00 (5.00, 5.00)", "+10.00 (+10.00, +10.00)", "0.50x (0.50, 0.50)"]
+    assert got["async t=2 wait"] == ["2.50 (2.50, 2.50)", "+20.00 (+20.00, +20.00)", "-", "- |"]
+    assert got["async auto"][0] == "3.00 (2.50, 5.00)" and got["async auto"][2] == "0.83x (0.50, 1.00)"
+    assert got["async auto"][3] == "-3.33 (-10.00, +0.00) |"
+    assert got["async t=4 wait"][0] == "never (never, never)" and got["async t=4 wait"][2] == "0.00x (0.00, 0.00)"
+    paths = []
+    for name, results in runs.items():
+        paths.append(str(tmp_path / f"{name}.json"))
+        (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    assert bench.main(["--table-from", *paths]) == 0  # several runs: their tables, side by side, then pooled
+    assert "pooled over 3 runs" in capsys.readouterr().out
+    one = bench.pooled({"s0": runs["s0"]})  # one run: the figures without intervals
+    assert "| sync | 1.25 | +40.00 | 2.00x | +20.00 |" in one
+
+
 def test_staleness_remote_reward_serves_the_recipe_reward_late_and_stops(tmp_path):
     import sys
 
