@@ -49,7 +49,12 @@ several points between neighbouring checkpoints no longer reaches the target on
 one lucky point); ``--table-from <out>/results.json --target 5`` prints
 an earlier run's table for another target without training again (give it
 several runs' results.json, e.g. one per ``--seed``, and it prints their times
-side by side; with one, ``--plot PNG`` redraws its curves). Writes
+side by side, then the runs pooled per setting: the time to the target on the
+mean of their curves and each setting's mean gain over the run, against the
+best fixed threshold, with 95 % intervals from resampling the runs; with one,
+``--plot PNG`` redraws its curves). ``--no-sync`` leaves sync out (more seeds
+of the async settings alone; the runs pooled are then compared on the
+settings every run has). Writes
 ``<out>/curves.png`` (accuracy vs minutes, one line per setting, a dashed line
 at the base + ``--target`` points) and ``<out>/results.json``. On 2 shared cores expect a
 minute or two of noise in the time to +10: run it twice (``--seed``) before
