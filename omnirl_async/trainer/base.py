@@ -39,6 +39,7 @@ from omnirl_async.rewards.worker_pool import make_reward_actors
 from omnirl_async.trainer.checkpoint import CheckpointManager, load_state, save_state
 from omnirl_async.trainer.failures import FailureMonitor
 from omnirl_async.trainer.offline_mix import OfflineData, group_schedule, learner_inputs
+from omnirl_async.trainer.reports import RunReports
 from omnirl_async.trainer.run_dir import config_dict, wandb_resume_id, write_wandb_run_id
 from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
@@ -64,7 +65,7 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)  # the learner's metrics
 
 
-class BaseTrainer:
+class BaseTrainer(RunReports):
     def __init__(self, config, prompts: list[str], *, printer=print):
         self.config = config
         self.printer = printer
@@ -507,71 +508,6 @@ class BaseTrainer:
             self.empty_steps += 1
             return None
         return self.learners.start_update(prepared.fields, prepared.group_ids, self.schedule_progress())
-
-    # ------------------------------------------------------------------ validation and dumps
-    def should_validate(self, done: bool, step: int | None = None) -> bool:
-        """Validate after update ``step`` (default: the one just done)?"""
-        freq = self.config.trainer.test_freq
-        step = self.global_step if step is None else step
-        return freq > 0 and (done or step % freq == 0)
-
-    def validate(self) -> dict[str, float]:
-        """Score the validation prompts on rollout worker 0 (it holds the newest weights)."""
-        import ray
-
-        from omnirl_async.data.prompts import load_val_prompts
-        from omnirl_async.models.evaluate import save_grid
-
-        if self._val_prompts is None:
-            self._val_prompts = load_val_prompts(self.config.data, self.config.data.val_max_samples)
-        out = ray.get(self.validation_worker().validate.remote(self._val_prompts, seed=self.config.data.seed))
-        cap = self.config.trainer.validation_data_max_samples or 32
-        strict = out["strict"][:cap] > 0.5 if out["strict"] is not None else None
-        title = f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}"
-        grid = save_grid(out["images"][:cap], out["prompts"][:cap],
-                         Path(self.config.trainer.default_local_dir) / "validation" / f"step_{self.global_step}.png",
-                         marks=strict, title=title)
-        prompts = out["prompts"][:cap]
-        marks = ["pass " if ok else "fail " for ok in strict] if strict is not None else [""] * len(prompts)
-        self.tracking.log_images("val/images", [grid], self.global_step, captions=[title],
-                                 text="\n".join(f"- {m}{p}" for m, p in zip(marks, prompts)))
-        return out["metrics"]
-
-    def validation_worker(self):
-        """Rollout worker 0 (it holds the newest weights); with ``algorithm.sample_source=offline``, which starts
-        no rollout workers, one worker actor started at the first validation, given the learner's weights."""
-        import ray
-
-        if self.workers:
-            return self.workers[0]
-        if self._validator is None:
-            self._validator = self.make_worker(0)
-        ray.get(self._validator.set_weights.remote(self.version, ray.put(self.learners.get_weights())),
-                timeout=self.wait_timeout_s)
-        return self._validator
-
-    def log_rollout_samples(self, batch: SampledBatch, num: int = 8) -> None:
-        """A few of this step's trained samples, with their prompts and rewards, to the image loggers."""
-        if not len(batch):
-            return
-        k = min(num, len(batch))
-        rewards = batch.fields["rewards"][:k]
-        captions = [f"reward {r:.3f}: {m.tags.prompt}" for m, r in zip(batch.metas[:k], rewards)]
-        self.tracking.log_images("rollout/samples", list(batch.fields["images"][:k]), self.global_step,
-                                 captions=captions)
-
-    def dump_rollout(self, batch: SampledBatch) -> None:
-        """Every ``rollout_data_save_freq`` steps, a grid of this step's trained samples with their rewards."""
-        tcfg = self.config.trainer
-        if tcfg.rollout_data_save_freq <= 0 or self.global_step % tcfg.rollout_data_save_freq or not len(batch):
-            return
-        from omnirl_async.models.evaluate import save_grid
-
-        images, rewards = batch.fields["images"], batch.fields["rewards"]
-        cap = tcfg.rollout_data_max_samples or len(images)
-        captions = [f"{r:.2f} {m.tags.prompt}" for m, r in zip(batch.metas[:cap], rewards[:cap])]
-        save_grid(images[:cap], captions, Path(tcfg.default_local_dir) / "rollout_data" / f"step_{self.global_step}.png",
-                  cols=self.n)
 
     # ------------------------------------------------------------------ run control
     def total_steps(self) -> int:
