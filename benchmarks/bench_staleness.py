@@ -259,8 +259,8 @@ def _first_at(grid: np.ndarray, gains: np.ndarray, target: float) -> np.ndarray:
 
 
 def _ci(samples: np.ndarray, fmt: str, never: str = "never") -> str:
-    """`` (lo, hi)``: the 95 % interval of bootstrap ``samples``; an infinite end (a time never reached, a ratio
-    over one) is printed as ``never``, nan (neither reached: no ratio) is left out."""
+    """`` (lo, hi)``: the 95 % interval of bootstrap ``samples``; an infinite end (a time never reached; a ratio
+    whose numerator never was) is printed as ``never``, nan (a ratio of two nevers) is left out."""
     x = samples[~np.isnan(samples)]
     if not len(x):
         return " (-)"
@@ -292,7 +292,7 @@ def pooled(runs: dict[str, dict], target: float = 10.0, grid_min: float = GRID_M
     area = {k: g.mean(-1) for k, g in gains.items()}  # one mean gain per run
     fixed = [k for k in labels if k.startswith("async t=")]
     best = min(fixed, key=lambda k: (t_point[k], -area[k].mean())) if fixed else None
-    ci = (lambda samples, fmt: _ci(samples, fmt)) if n > 1 else (lambda samples, fmt: "")
+    ci = _ci if n > 1 else (lambda *_a: "")
     lines = [f"pooled over {n} runs ({', '.join(runs)}), curves on a {grid_min:g}-minute grid up to {end:.1f} "
              f"min; best fixed threshold: {best or '-'}",
              f"| setting | min to +{target:g}, mean curve (95 % CI) | mean gain, 0-{end:.1f} min (95 % CI) | "
@@ -306,7 +306,8 @@ def pooled(runs: dict[str, dict], target: float = 10.0, grid_min: float = GRID_M
                 cells += ["-", "-"]
             else:
                 ratio, diff = t_point[best] / t, area[k] - area[best]
-                cells += [("-" if np.isnan(ratio) else f"{ratio:.2f}x") + ci(t_boot[best] / t_boot[k], ".2f"),
+                point = "-" if np.isnan(ratio) else "inf" if np.isinf(ratio) else f"{ratio:.2f}x"
+                cells += [point + ci(t_boot[best] / t_boot[k], ".2f", "inf"),
                           f"{diff.mean():+.2f}" + ci(diff[idx].mean(1), "+.2f")]
             lines.append(f"| {k} | {' | '.join(cells)} |")
     return lines

@@ -156,6 +156,9 @@ def test_staleness_pooled_averages_runs_and_compares_each_setting_with_the_best_
         (tmp_path / f"{name}.json").write_text(json.dumps(results))
     assert bench.main(["--table-from", *paths]) == 0  # several runs: their tables, side by side, then pooled
     assert "pooled over 3 runs" in capsys.readouterr().out
+    slow_fixed = {"async t=2 wait": line(0.2, 0.5), "async auto": line(0.2, 4.0)}  # the only fixed one: never
+    (auto_row,) = [r for r in bench.pooled({"a": slow_fixed, "b": slow_fixed}) if r.startswith("| async auto")]
+    assert auto_row.split(" | ")[3] == "inf (inf, inf)"
     one = bench.pooled({"s0": runs["s0"]})  # one run: the figures without intervals
     assert "| sync | 1.25 | +40.00 | 2.00x | +20.00 |" in one
 
