@@ -150,7 +150,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     cpu_busy = cpu.busy(t_first, rewards[-1][0]) if rewards else None  # first to last step: training only
     step_minute = {s: (w - t_first) / 60 for w, s, _ in rewards}
     names, before = per_prompt_strict(base)
-    curve = [(0.0, overall(names, before))]
+    curve, curve_steps = [(0.0, overall(names, before))], [0]
     last, last_path = before, None
     for step, path in sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "ckpt").glob("global_step_*")):
         res = evaluate(cfg, path / "lora", prompts, args.seed)
@@ -158,6 +158,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
         assert p2 == names
         minute = step_minute.get(step, minutes)
         curve.append((minute, overall(names, acc)))
+        curve_steps.append(step)
         last, last_path = acc, path
         print(f"  {label:<14} step {step:>5} {minute:5.1f} min  overall {curve[-1][1]:.3f}", flush=True)
     final_n = getattr(args, "final_images_per_prompt", None)
@@ -175,7 +176,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     return {"steps": summary["global_step"], "minutes": minutes, "before": overall(names, before),
             "after": overall(names, last), "images_per_prompt": images,
             "gain": gain, "ci": [lo, hi], "minutes_to_plus10": minutes_to(curve, 10), "curve": curve,
-            "run_dir": str(run),
+            "curve_steps": curve_steps, "run_dir": str(run),
             "cpu_busy": cpu_busy,
             "summary": {k: v for k, v in summary.items() if isinstance(v, (int, float, str))}}
 

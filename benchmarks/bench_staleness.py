@@ -186,10 +186,12 @@ def remote_reward(recipe: list[str], latency_s: float, log_path: Path, start_tim
             proc.wait()
 
 
-def _speedup(label: str, sync_key: str, base: float | None, t: float | None) -> str:
+def _speedup(label: str, sync_key: str, base: float | None, t: float | None, has_sync: bool = True) -> str:
+    """``t`` against sync's ``base``: a ratio, ``sync: never`` (sync did not get there), or ``-`` (this is sync,
+    this never got there, or the run has no sync: ``--no-sync``)."""
     if t and base:
         return f"{base / t:.2f}x"
-    return "-" if label == sync_key or t is None else "sync: never"
+    return "-" if label == sync_key or t is None or not has_sync else "sync: never"
 
 
 def table(results: dict, sync_key: str = "sync", target: float = 10.0, hold: int = HOLD) -> list[str]:
@@ -198,7 +200,8 @@ def table(results: dict, sync_key: str = "sync", target: float = 10.0, hold: int
     lines = ["| setting | steps | samples/s | CPU busy % | learner idle % | rollout_corr/kl | IS ESS | clipped % | "
              f"before | after | gain (95 % CI) | min to +{target:g} | vs sync | "
              f"min to +{target:g}, {hold}-ckpt mean | vs sync |", "|" + "---|" * 15]
-    sync_curve = results[sync_key]["curve"] if sync_key in results else None
+    has_sync = sync_key in results
+    sync_curve = results[sync_key]["curve"] if has_sync else None
     base, base_held = ((minutes_to(sync_curve, target), minutes_to(sync_curve, target, hold))
                        if sync_curve else (None, None))
     for label, r in results.items():
@@ -212,8 +215,9 @@ def table(results: dict, sync_key: str = "sync", target: float = 10.0, hold: int
             f"{fmt(None if m.get('actor/pg_clipfrac') is None else 100 * m['actor/pg_clipfrac'], '.0f')} | "
             f"{100 * r['before']:.1f} % | "
             f"{100 * r['after']:.1f} % | {r['gain']:+.1f} ({r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}) | "
-            f"{'not reached' if t is None else f'{t:.1f}'} | {_speedup(label, sync_key, base, t)} | "
-            f"{'not reached' if held is None else f'{held:.1f}'} | {_speedup(label, sync_key, base_held, held)} |")
+            f"{'not reached' if t is None else f'{t:.1f}'} | {_speedup(label, sync_key, base, t, has_sync)} | "
+            f"{'not reached' if held is None else f'{held:.1f}'} | "
+            f"{_speedup(label, sync_key, base_held, held, has_sync)} |")
     return lines
 
 
@@ -233,23 +237,36 @@ def across(runs: dict[str, dict], sync_key: str = "sync", target: float = 10.0, 
                 continue
             t, held = minutes_to(run[label]["curve"], target), minutes_to(run[label]["curve"], target, hold)
             base = minutes_to(run[sync_key]["curve"], target, hold) if sync_key in run else None
-            speed = _speedup(label, sync_key, base, held)
+            speed = _speedup(label, sync_key, base, held, sync_key in run)
             cells.append(f"{'never' if t is None else f'{t:.1f}'} / {'never' if held is None else f'{held:.1f}'}"
                          + ("" if speed == "-" else f" ({speed})"))
         lines.append(f"| {label} | {' | '.join(cells)} |")
     return lines
 
 
-#: minutes between the points at which :func:`pooled` averages the runs' curves
-GRID_MIN = 0.25
+#: the grid on which :func:`pooled` averages the runs' curves, per x axis: minutes, or learner updates
+GRID = {"minutes": 0.25, "updates": 10.0}
 #: bootstrap resamples of the runs behind :func:`pooled`'s intervals
 BOOT = 2000
 
 
-def _gain_grid(curve: list, grid: np.ndarray) -> np.ndarray:
-    """Points over the curve's start at each minute of ``grid``, read off straight lines between checkpoints."""
-    t = np.array([m for m, _v in curve], float)
-    return np.interp(grid, t, 100.0 * (np.array([v for _m, v in curve], float) - curve[0][1]))
+def curve_steps(r: dict) -> list[int]:
+    """The learner update of each point of a setting's curve (0 for the start): ``curve_steps`` of the results, or,
+    for results written before it was kept, the checkpoints in its ``run_dir``."""
+    if "curve_steps" in r:
+        return list(r["curve_steps"])
+    ckpt = Path(r.get("run_dir", "")) / "ckpt"
+    steps = [0] + sorted(int(p.name.rsplit("_", 1)[1]) for p in ckpt.glob("global_step_*"))
+    if len(steps) != len(r["curve"]):
+        raise ValueError(f"{ckpt}: {len(steps) - 1} checkpoints for the {len(r['curve']) - 1} points of the curve; "
+                         "results without `curve_steps` need their run's checkpoints to pool them per update")
+    return steps
+
+
+def _gain_grid(xs: list[float], curve: list, grid: np.ndarray) -> np.ndarray:
+    """Points over the curve's start at each ``grid`` value of its x axis (``xs``), read off straight lines between
+    checkpoints."""
+    return np.interp(grid, np.asarray(xs, float), 100.0 * (np.array([v for _m, v in curve], float) - curve[0][1]))
 
 
 def _first_at(grid: np.ndarray, gains: np.ndarray, target: float) -> np.ndarray:
@@ -272,19 +289,26 @@ def _never_inf(t):
     return np.nan_to_num(t, nan=np.inf)
 
 
-def pooled(runs: dict[str, dict], target: float = 10.0, grid_min: float = GRID_MIN, boot: int = BOOT,
+def pooled(runs: dict[str, dict], target: float = 10.0, x: str = "minutes", boot: int = BOOT,
            seed: int = 0) -> list[str]:
     """Several runs (e.g. one per ``--seed``) pooled per setting: each run's held-out curve as points over its
-    own start on a ``grid_min`` grid, averaged over the runs; minutes to ``+target`` on that mean curve, the mean
-    gain over the minutes every run covers (the area under the curve: a statistic that no single lucky checkpoint
-    moves), and, against the best fixed threshold (soonest to the target, then the larger mean gain), the ratio
-    of the times and the difference of the mean gains. The 95 % intervals resample the runs (paired: one resample
-    serves every setting). Settings missing from a run are left out; one run gives no intervals."""
+    own start on a grid of ``x`` (``minutes`` of training, or learner ``updates``: :data:`GRID`), averaged over the
+    runs; the ``x`` to ``+target`` on that mean curve, the mean gain over the ``x`` every run covers (the area
+    under the curve: a statistic that no single lucky checkpoint moves), and, against the best fixed threshold
+    (soonest to the target, then the larger mean gain), the ratio of the times and the difference of the mean
+    gains. The 95 % intervals resample the runs (paired: one resample serves every setting). Settings missing
+    from a run are left out; one run gives no intervals. Per update, settings that run at the same speed compare
+    without the machine's speed changing between them (it does, between settings run one after another)."""
+    if x not in GRID:
+        raise ValueError(f"x = {x!r}: one of {sorted(GRID)}")
     labels = [label for label in dict.fromkeys(k for r in runs.values() for k in r)
               if all(label in r for r in runs.values())]
-    end = min(r[label]["curve"][-1][0] for r in runs.values() for label in labels)
-    grid = np.arange(0.0, end + 1e-9, grid_min)
-    gains = {label: np.stack([_gain_grid(r[label]["curve"], grid) for r in runs.values()]) for label in labels}
+    xs = {(name, label): [m for m, _v in r[label]["curve"]] if x == "minutes" else curve_steps(r[label])
+          for name, r in runs.items() for label in labels}
+    end = min(v[-1] for v in xs.values())
+    grid = np.arange(0.0, end + 1e-9, GRID[x])
+    gains = {label: np.stack([_gain_grid(xs[name, label], r[label]["curve"], grid) for name, r in runs.items()])
+             for label in labels}
     n = len(runs)
     idx = np.random.default_rng(seed).integers(0, n, (boot, n))
     t_point = {k: _never_inf(_first_at(grid, g.mean(0, keepdims=True), target)[0]) for k, g in gains.items()}
@@ -293,14 +317,16 @@ def pooled(runs: dict[str, dict], target: float = 10.0, grid_min: float = GRID_M
     fixed = [k for k in labels if k.startswith("async t=")]
     best = min(fixed, key=lambda k: (t_point[k], -area[k].mean())) if fixed else None
     ci = _ci if n > 1 else (lambda *_a: "")
-    lines = [f"pooled over {n} runs ({', '.join(runs)}), curves on a {grid_min:g}-minute grid up to {end:.1f} "
-             f"min; best fixed threshold: {best or '-'}",
-             f"| setting | min to +{target:g}, mean curve (95 % CI) | mean gain, 0-{end:.1f} min (95 % CI) | "
-             "best fixed / this: time ratio (95 % CI) | this - best fixed: mean gain (95 % CI) |", "|" + "---|" * 5]
+    unit, fmt, span = ("min", ".2f", f"{end:.1f}") if x == "minutes" else ("updates", ".0f", f"{end:.0f}")
+    lines = [f"pooled over {n} runs ({', '.join(runs)}) per {x[:-1]}: curves on a {GRID[x]:g}-{x[:-1]} grid up to "
+             f"{span} {unit}; best fixed threshold: {best or '-'}",
+             f"| setting | {unit} to +{target:g}, mean curve (95 % CI) | mean gain, 0-{span} {unit} (95 % CI) | "
+             f"best fixed / this: {unit} ratio (95 % CI) | this - best fixed: mean gain (95 % CI) |",
+             "|" + "---|" * 5]
     with np.errstate(invalid="ignore", divide="ignore"):  # never / never: no ratio
         for k in labels:
             t = t_point[k]
-            cells = [("never" if np.isinf(t) else f"{t:.2f}") + ci(t_boot[k], ".2f"),
+            cells = [("never" if np.isinf(t) else format(t, fmt)) + ci(t_boot[k], fmt),
                      f"{area[k].mean():+.2f}" + ci(area[k][idx].mean(1), "+.2f")]
             if best is None or k == best:
                 cells += ["-", "-"]
@@ -360,7 +386,11 @@ def main(argv=None) -> int:
             print(f"{path}:\n" + "\n".join(table(results, target=args.target, hold=args.hold)) + "\n")
         if len(runs) > 1:
             print("\n".join(across(runs, target=args.target, hold=args.hold)) + "\n")
-            print("\n".join(pooled(runs, target=args.target)))
+            print("\n".join(pooled(runs, target=args.target)) + "\n")
+            try:
+                print("\n".join(pooled(runs, target=args.target, x="updates")))
+            except ValueError as e:
+                print(f"(not pooled per update: {e})")
         if args.plot:
             (results,) = runs.values()
             plot(results, args.plot, title=PLOT_TITLE, target=args.target)

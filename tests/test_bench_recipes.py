@@ -74,6 +74,8 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     rows = bench.table(results)  # 3 checkpoints in a row: neither 2-point curve holds +10
     assert rows[2].endswith("| 3.0 | 1.00x | not reached | - |") and "| 9.5 | 87 |" in rows[3]
     assert rows[3].endswith("| 2.0 | 1.50x | not reached | - |")
+    no_sync = bench.table({"async t=1 wait": results["async t=1 wait"]})  # --no-sync: no speed-up to give
+    assert no_sync[2].endswith("| 2.0 | - | not reached | - |")
     rows = bench.table(results, target=5)  # the same curves, another target: sync gets there first
     assert "min to +5 |" in rows[0] and rows[2].endswith("| 1.5 | 1.00x | not reached | - |")
     assert rows[3].endswith("| 2.0 | 0.75x | not reached | - |")
@@ -134,7 +136,8 @@ def test_staleness_pooled_averages_runs_and_compares_each_setting_with_the_best_
 
     def line(base, slope):  # a checkpoint a minute, `slope` points a minute over the run's own base
         return {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": base, "after": base, "gain": 0.0,
-                "ci": [0.0, 0.0], "curve": [[float(m), base + slope * m / 100] for m in range(11)]}
+                "ci": [0.0, 0.0], "curve": [[float(m), base + slope * m / 100] for m in range(11)],
+                "curve_steps": [100 * m for m in range(11)]}
 
     runs = {f"s{i}": {"async t=1 wait": line(base, 2.0), "async t=2 wait": line(base, 4.0),
                       "async auto": line(base, a), "async t=4 wait": line(base, 0.5)}
@@ -154,8 +157,19 @@ def test_staleness_pooled_averages_runs_and_compares_each_setting_with_the_best_
     for name, results in runs.items():
         paths.append(str(tmp_path / f"{name}.json"))
         (tmp_path / f"{name}.json").write_text(json.dumps(results))
+    # per update (100 a minute here): the same ranking, the times x 100
+    per_update = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in bench.pooled(runs, x="updates")[3:]}
+    assert per_update["async auto"][0] == "300 (250, 500)" and per_update["async auto"][2] == "0.83x (0.50, 1.00)"
     assert bench.main(["--table-from", *paths]) == 0  # several runs: their tables, side by side, then pooled
-    assert "pooled over 3 runs" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "pooled over 3 runs" in printed and "per update: curves on a 10-update grid up to 1000 updates" in printed
+    del runs["s1"]["async auto"]["curve_steps"]  # older results: the updates are read off the run's checkpoints
+    runs["s1"]["async auto"]["run_dir"] = str(tmp_path / "s1_auto")
+    with pytest.raises(ValueError, match="0 checkpoints for the 10 points"):
+        bench.pooled(runs, x="updates")
+    for m in range(1, 11):
+        (tmp_path / "s1_auto" / "ckpt" / f"global_step_{100 * m}").mkdir(parents=True)
+    assert bench.pooled(runs, x="updates")[3:] == [f"| {k} | {' | '.join(v)}" for k, v in per_update.items()]
     slow_fixed = {"async t=2 wait": line(0.2, 0.5), "async auto": line(0.2, 4.0)}  # the only fixed one: never
     (auto_row,) = [r for r in bench.pooled({"a": slow_fixed, "b": slow_fixed}) if r.startswith("| async auto")]
     assert auto_row.split(" | ")[3] == "inf (inf, inf)"
