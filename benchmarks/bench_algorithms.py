@@ -120,6 +120,14 @@ def minutes_to(curve: list, points: float, hold: int = 1) -> float | None:
     return None
 
 
+def checkpoint_steps(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """``(step, folder)`` of every ``global_step_<N>`` checkpoint of a run, oldest first (the trainer's own lookup,
+    :meth:`~omnirl_async.trainer.checkpoint.CheckpointManager.step_folders`)."""
+    from omnirl_async.trainer.checkpoint import CheckpointManager
+
+    return CheckpointManager(ckpt_dir).step_folders()[::-1]
+
+
 def run_one(algo: str, args, out: Path, prompts, base) -> dict:
     return run_setting(algo, base_overrides(algo) + ALGOS[algo], args, out, prompts, base)
 
@@ -152,7 +160,7 @@ def run_setting(label: str, overrides: list[str], args, out: Path, prompts, base
     names, before = per_prompt_strict(base)
     curve, curve_steps = [(0.0, overall(names, before))], [0]
     last, last_path = before, None
-    for step, path in sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "ckpt").glob("global_step_*")):
+    for step, path in checkpoint_steps(run / "ckpt"):
         res = evaluate(cfg, path / "lora", prompts, args.seed)
         p2, acc = per_prompt_strict(res)
         assert p2 == names

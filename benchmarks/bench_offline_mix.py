@@ -53,7 +53,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_algorithms import ALGOS, base_overrides, bootstrap_gain, overall, per_prompt_strict, plot  # noqa: E402
+from bench_algorithms import (ALGOS, base_overrides, bootstrap_gain, checkpoint_steps, overall,  # noqa: E402
+                              per_prompt_strict, plot)
 from bench_geneval_rl import RL_DEFAULTS, _scalars, evaluate  # noqa: E402
 
 #: --quick: a small world so that the whole pipeline runs in well under a minute on 2 cores
@@ -153,7 +154,7 @@ def run_variant(name: str, extra: list[str], args, out: Path, store: Path, promp
     frac = _scalars(run / "tb", "buffer/offline_frac")
     names, before = per_prompt_strict(base)
     curve, last, best = [(0.0, overall(names, before))], before, (0, overall(names, before))
-    for step, path in sorted((int(p.name.rsplit("_", 1)[1]), p) for p in (run / "ckpt").glob("global_step_*")):
+    for step, path in checkpoint_steps(run / "ckpt"):
         res = evaluate(cfg, path / "lora", prompts, args.seed)
         p2, acc = per_prompt_strict(res)
         assert p2 == names

@@ -75,7 +75,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_algorithms import add_heldout_args, heldout_setup, minutes_to, plot, run_setting  # noqa: E402
+from bench_algorithms import (add_heldout_args, checkpoint_steps, heldout_setup, minutes_to, plot,  # noqa: E402
+                              run_setting)
 from bench_geneval_rl import RL_DEFAULTS, _scalars  # noqa: E402
 
 from omnirl_async.demo import NFT_OVERRIDES, PG_ONLY  # noqa: E402
@@ -256,7 +257,7 @@ def curve_steps(r: dict) -> list[int]:
     if "curve_steps" in r:
         return list(r["curve_steps"])
     ckpt = Path(r.get("run_dir", "")) / "ckpt"
-    steps = [0] + sorted(int(p.name.rsplit("_", 1)[1]) for p in ckpt.glob("global_step_*"))
+    steps = [0] + [step for step, _path in checkpoint_steps(ckpt)]
     if len(steps) != len(r["curve"]):
         raise ValueError(f"{ckpt}: {len(steps) - 1} checkpoints for the {len(r['curve']) - 1} points of the curve; "
                          "results without `curve_steps` need their run's checkpoints to pool them per update")
@@ -270,7 +271,7 @@ def _gain_grid(xs: list[float], curve: list, grid: np.ndarray) -> np.ndarray:
 
 
 def _first_at(grid: np.ndarray, gains: np.ndarray, target: float) -> np.ndarray:
-    """Per row of ``gains``: the first minute of ``grid`` at or above ``target`` (nan: never)."""
+    """Per row of ``gains``: the first ``grid`` value (minute or update) at or above ``target`` (nan: never)."""
     over = gains >= target - 1e-9
     return np.where(over.any(-1), grid[np.argmax(over, -1)], np.nan)
 
