@@ -1,6 +1,7 @@
 """Replay-buffer transfer throughput beside plain Ray and TransferQueue (issue 18), and sampling cost.
 
     .venv/bin/python benchmarks/bench_buffer.py [--quick] [--sizes 4KB,1MB] [--producers 1,4] [--per-put 8]
+                                                [--repeats 5]
 
 Part 1 – put+get throughput, one run, the workload of issue 18. P producer
 actors (1, 2, 4) and one consumer (the driver); samples of 4 KB, 1 MB and
@@ -31,14 +32,20 @@ samples cross four transports:
 
 Read it: samples/s per transport (higher is better) and the ratios buffer/raw,
 buffer/tq, durable/raw. ``raw`` is the ceiling (the buffer adds metadata,
-sampling, staleness and rate checks on top of the same object store). Below
-the table, issue 18's goals with the worst ratio over the producer counts and
-met / not met. Samples flow in rounds (each producer makes k puts, the
-consumer drains them concurrently) so that at most ~256 MB (at least one put
-per producer, 512 MB for 4 x 128 MB) is in flight: the object store is 1 GB.
-Rates are samples over the summed round times; actors start, and each
-transport is warmed up, outside the timed regions. On a loaded 2-core machine
-expect ±20 % between runs.
+sampling, staleness and rate checks on top of the same object store). Each
+cell is measured ``--repeats`` times (5); a repetition runs every transport
+once, in an order rotated from one repetition to the next, and a ratio is
+taken *within* a repetition, where the two transports ran back to back: the
+table gives the median samples/s and, per ratio, the median [min-max] over
+the repetitions. Below the table, issue 18's goals with the worst median
+ratio over the producer counts and met / not met. Samples flow in rounds
+(each producer makes k puts, the consumer drains them concurrently) so that
+at most ~256 MB (at least one put per producer, 512 MB for 4 x 128 MB) is in
+flight: the object store is 1 GB. Rates are samples over the summed round
+times; actors start, and each transport is warmed up, outside the timed
+regions. One repetition of a cell lasts well under a second at 4 KB and 1 MB,
+and a loaded 2-core machine's speed drifts 2x within minutes: single
+repetitions swing by ±50 %, which is what the repetitions are for.
 
 Part 2 – sampling cost with 10^3 and 10^5 stored samples for every sampler
 (in-process core; the controller runs the same code).
@@ -235,6 +242,32 @@ def fmt(x: float, w: int, d: int = 0) -> str:
     return f"{'-':>{w}}" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:>{w}.{d}f}"
 
 
+RATIOS = {"buffer/raw": ("buffer", "raw"), "buffer/tq": ("buffer", "tq"), "durable/raw": ("durable", "raw")}
+
+
+def summarise(reps: list[dict[str, float]]) -> dict:
+    """One cell from its repetitions: the median samples/s per transport and, per ratio, the
+    (median, min, max) over the repetitions of the ratio *within* a repetition – the two transports
+    ran back to back there, so a machine that speeds up or slows down between repetitions (these
+    2-core boxes drift by 2x within minutes) moves both. A repetition that failed exactly-once
+    (NaN) makes the cell's figures NaN; a transport that did not run (no TransferQueue) is NaN."""
+    out: dict = {}
+    for t in TRANSPORTS:
+        xs = [rep.get(t, float("nan")) for rep in reps]
+        out[t] = float("nan") if not xs or any(math.isnan(x) for x in xs) else float(np.median(xs))
+    for name, (num, den) in RATIOS.items():
+        xs = [rep.get(num, float("nan")) / rep.get(den, float("nan")) for rep in reps]
+        nan = not xs or any(math.isnan(x) for x in xs)
+        out[name] = (float("nan"),) * 3 if nan else (float(np.median(xs)), min(xs), max(xs))
+    return out
+
+
+def fmt_ratio(r: tuple[float, float, float]) -> str:
+    """``median [min-max]`` of a ratio over the repetitions."""
+    med, lo, hi = r
+    return f"{'-':>16}" if math.isnan(med) else f"{med:>5.2f} [{lo:.2f}-{hi:.2f}]"
+
+
 def throughput(args) -> list[str]:
     sizes = [s for s in SIZES if s[0] in args.sizes]
     n_max = max(args.producers)
@@ -265,8 +298,10 @@ def throughput(args) -> list[str]:
         print(f"tq skipped: TransferQueue is not installed ({exc}); install it with: {TQ_INSTALL}")
     transports = [t for t in TRANSPORTS if t != "tq" or tq_client is not None]
     bench = Bench(tq_client, buf, durable, producers)
-    print(f"\n{'size':>5} {'put':>3} {'prod':>4} {'rounds':>9} | {'raw smp/s':>9} {'tq smp/s':>9} {'buffer smp/s':>12} "
-          f"{'durable':>8} {'buf MB/s':>8} | {'buf/raw':>7} {'buf/tq':>6} {'dur/raw':>7} | once")
+    print(f"\nmedians over {args.repeats} repetitions (every transport once per repetition, rotated order); "
+          "ratios: median [min-max] of the ratio within a repetition")
+    print(f"{'size':>5} {'put':>3} {'prod':>4} {'rounds':>9} | {'raw smp/s':>9} {'tq smp/s':>9} {'buffer smp/s':>12} "
+          f"{'durable':>8} {'buf MB/s':>8} | {'buf/raw':>16} {'buf/tq':>16} {'dur/raw':>16} | once")
     rows = []
     try:
         for label, nbytes, total in sizes:
@@ -282,14 +317,17 @@ def throughput(args) -> list[str]:
                     k, rounds = plan(total, nbytes, per_put, n_prod)
                     where = f"{label} x{per_put}/put, {n_prod} producers"
                     n_fail = len(bench.failures)
-                    r = {t: bench.run(t, producers[:n_prod], k, rounds, per_put, where) for t in transports}
-                    r.setdefault("tq", float("nan"))
+                    reps = []
+                    for rep in range(args.repeats):  # each repetition runs every transport, in a rotated order
+                        order = transports[rep % len(transports):] + transports[:rep % len(transports)]
+                        reps.append({t: bench.run(t, producers[:n_prod], k, rounds, per_put, where) for t in order})
+                    r = summarise(reps)
                     ok = len(bench.failures) == n_fail
                     rows.append((label, nbytes, per_put, n_prod, r))
-                    print(f"{label:>5} {per_put:>3} {n_prod:>4} {f'{rounds}x{k * per_put * n_prod}':>9} | "
+                    print(f"{label:>5} {per_put:>3} {n_prod:>4} {f'{args.repeats}x{rounds}x{k * per_put * n_prod}':>9} | "
                           f"{fmt(r['raw'], 9)} {fmt(r['tq'], 9)} {fmt(r['buffer'], 12)} {fmt(r['durable'], 8)} "
-                          f"{fmt(r['buffer'] * nbytes / 1024**2, 8)} | {fmt(r['buffer'] / r['raw'], 7, 2)} "
-                          f"{fmt(r['buffer'] / r['tq'], 6, 2)} {fmt(r['durable'] / r['raw'], 7, 2)} | "
+                          f"{fmt(r['buffer'] * nbytes / 1024**2, 8)} | {fmt_ratio(r['buffer/raw'])} "
+                          f"{fmt_ratio(r['buffer/tq'])} {fmt_ratio(r['durable/raw'])} | "
                           f"{'ok' if ok else 'FAIL'}", flush=True)
     finally:
         if tq is not None:
@@ -303,14 +341,14 @@ def throughput(args) -> list[str]:
 
 
 def goals(rows, have_tq: bool) -> None:
-    """Issue 18's 'done when' figures: the worst ratio over the producer counts measured."""
-    print("\nissue 18 goals (worst over producer counts):")
+    """Issue 18's 'done when' figures: the worst median ratio over the producer counts measured."""
+    print("\nissue 18 goals (worst median ratio over producer counts):")
     checks = [("buffer/raw >= 0.9 at >= 1 MB, groups of 8", lambda s, g: s >= 1024**2 and g == 8, "raw", 0.9),
               ("buffer/tq  >= 3   at >= 1 MB, groups of 8", lambda s, g: s >= 1024**2 and g == 8, "tq", 3.0),
               ("buffer/tq  >= 10  at 4 KB, groups of 8", lambda s, g: s < 64 * 1024 and g == 8, "tq", 10.0),
               ("buffer/tq  >= 2   at 1 MB, one sample per put", lambda s, g: s == 1024**2 and g == 1, "tq", 2.0)]
     for name, sel, ref, target in checks:
-        ratios = [r["buffer"] / r[ref] for _l, s, g, _p, r in rows if sel(s, g)]
+        ratios = [r[f"buffer/{ref}"][0] for _l, s, g, _p, r in rows if sel(s, g)]  # medians within repetitions
         if ref == "tq" and not have_tq:
             print(f"  {name}: n/a (TransferQueue not installed)")
         elif not ratios:
@@ -361,8 +399,14 @@ def main() -> None:
                     help="comma list of 4KB,1MB,16MB")
     ap.add_argument("--producers", type=_list(int, PRODUCERS), default=PRODUCERS, help="comma list of 1,2,4")
     ap.add_argument("--per-put", type=_list(int, PER_PUT), default=PER_PUT, help="samples per put: 1,8")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repetitions per cell, every transport once each in a rotated order (default 5; 2 with --quick)")
     ap.add_argument("--num-cpus", type=int, default=8)
     args = ap.parse_args()
+    if args.repeats is None:
+        args.repeats = 2 if args.quick else 5
+    if args.repeats < 1:
+        ap.error(f"--repeats {args.repeats}: at least 1 repetition per cell")
     t0 = time.time()
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, object_store_memory=1024 * 1024**2,
              log_to_driver=False, configure_logging=False)

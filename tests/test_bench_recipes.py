@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -381,3 +383,40 @@ def test_replay_auto_threshold_counts_the_windows_a_target_would_lower_on(tmp_pa
         replay.main([str(tmp_path / "empty")])
     with pytest.raises(SystemExit):
         replay.main([str(tmp_path / "tb"), "--targets", "0"])
+
+
+def test_buffer_bench_takes_each_ratio_within_a_repetition_and_reports_its_median_and_range():
+    bench = _load("bench_buffer")
+    # the machine slows down 2x between repetitions: the rates move, the paired ratio does not
+    reps = [{"raw": 1000.0, "tq": 200.0, "buffer": 900.0, "durable": 500.0},
+            {"raw": 500.0, "tq": 100.0, "buffer": 450.0, "durable": 250.0},
+            {"raw": 800.0, "tq": 100.0, "buffer": 400.0, "durable": 400.0}]
+    r = bench.summarise(reps)
+    assert r["raw"] == 800.0 and r["buffer"] == 450.0 and r["tq"] == 100.0
+    med, lo, hi = r["buffer/raw"]
+    assert (med, lo, hi) == pytest.approx((0.9, 0.5, 0.9))  # ratios 0.9, 0.9, 0.5
+    assert r["buffer/tq"] == pytest.approx((4.5, 4.0, 4.5))
+    assert r["durable/raw"] == pytest.approx((0.5, 0.5, 0.5))
+    # the unpaired ratio of medians would say 450 / 800 = 0.56: drift, not the buffer
+    assert bench.fmt_ratio(r["buffer/raw"]) == " 0.90 [0.50-0.90]"
+
+
+def test_buffer_bench_marks_a_cell_with_a_failed_repetition_or_a_missing_transport_unmeasured(capsys):
+    bench = _load("bench_buffer")
+    reps = [{"raw": 1000.0, "buffer": 900.0, "durable": 500.0},  # no TransferQueue installed
+            {"raw": 1000.0, "buffer": float("nan"), "durable": 600.0}]  # buffer failed exactly-once here
+    r = bench.summarise(reps)
+    assert np.isnan(r["tq"]) and np.isnan(r["buffer"]) and r["raw"] == 1000.0
+    assert all(np.isnan(x) for x in r["buffer/raw"] + r["buffer/tq"])
+    assert r["durable/raw"] == pytest.approx((0.55, 0.5, 0.6))
+    assert bench.fmt_ratio(r["buffer/tq"]).strip() == "-"
+    bench.goals([("1MB", 1024**2, 8, 4, r)], have_tq=False)
+    out = capsys.readouterr().out
+    assert "buffer/raw >= 0.9 at >= 1 MB, groups of 8: not met (a transport failed exactly-once)" in out
+    assert "buffer/tq  >= 3   at >= 1 MB, groups of 8: n/a (TransferQueue not installed)" in out
+
+
+def test_buffer_bench_refuses_zero_repetitions():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_buffer.py"), "--repeats", "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--repeats 0: at least 1 repetition per cell" in out.stderr
