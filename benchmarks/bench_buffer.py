@@ -47,7 +47,13 @@ regions. One repetition of a cell lasts well under a second at 4 KB and 1 MB,
 and a loaded 2-core machine's speed drifts 2x within minutes: single
 repetitions swing by ±50 %, which is what the repetitions are for.
 
-Part 2 – sampling cost with 10^3 and 10^5 stored samples for every sampler
+Part 2 – where a group of 8 goes (``costs``): each call of both paths alone,
+one at a time on an otherwise idle cluster, median ms, for a 4 KB group (its
+bytes ride inside the controller calls) and a 1 MB group (an ``ObjectRef``):
+the producer's ``ray.put`` / buffer ``put`` / ``flush``, the consumer's call
+and ``ray.get`` on each path, and an empty controller call as the floor.
+
+Part 3 – sampling cost with 10^3 and 10^5 stored samples for every sampler
 (in-process core; the controller runs the same code).
 """
 
@@ -67,6 +73,7 @@ import ray
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from omnirl_async.buffer import LocalReplayBuffer  # noqa: E402
+from omnirl_async.buffer.base import assemble_fields  # noqa: E402
 from omnirl_async.buffer.spec import BufferSpec, CapacitySpec, StalenessSpec, TableSpec, TransportSpec  # noqa: E402
 from omnirl_async.buffer.transfer_queue import RayReplayBuffer  # noqa: E402
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags  # noqa: E402
@@ -82,6 +89,7 @@ TQ_POLL_S = 0.005
 SAMPLES_IN_FLIGHT = 2  # the buffer's consumer keeps this many sample requests in flight (sample_async)
 TQ_INSTALL = "pip install -e .[transferqueue]  (or .venv/bin/pip install transferqueue==0.1.11)"
 TRANSPORTS = ["raw", "tq", "buffer", "durable"]
+PARTS = ["throughput", "costs", "sampling"]
 
 
 def metas_for(prefix: str, g: int, n: int) -> list[SampleMeta]:
@@ -124,6 +132,32 @@ class Producer:
             self.tq.put(TensorDict({"x": x, "id": torch.from_numpy(self._ids(base, k))},
                                    batch_size=(self.x.shape[0],)), partition_id=partition)
         return n_puts
+
+    def hold(self, n: int) -> None:
+        """Part 2: ``n`` groups put ahead, for :meth:`hand` to hand over one at a time."""
+        self.held = [ray.put({"x": self.x, "id": self._ids(k * self.x.shape[0], 0)}) for k in range(n)]
+
+    def hand(self) -> list:
+        """Part 2: the raw path's handover alone – one call returning one ref put earlier (wrapped)."""
+        return [[self.held.pop()]]
+
+    def put_costs(self, buf, prefix: str, n: int) -> dict[str, list[float]]:
+        """Part 2, one group at a time: a plain ``ray.put`` of it, the buffer's ``put`` (returns once the
+        registration is queued), then ``flush`` (the controller's ``put_many`` call). Seconds per call."""
+        out: dict[str, list[float]] = {"ray.put": [], "buffer.put": [], "flush": []}
+        for k in range(n):
+            payload = {"x": self.x, "id": self._ids(k * self.x.shape[0], 0)}
+            t = time.perf_counter()
+            ref = ray.put(payload)
+            out["ray.put"].append(time.perf_counter() - t)
+            del ref
+            t = time.perf_counter()
+            buf.put(metas_for(prefix, k, self.x.shape[0]), payload, timeout=120, producer=f"p{self.index}")
+            out["buffer.put"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            buf.flush(timeout=120)
+            out["flush"].append(time.perf_counter() - t)
+        return out
 
     def buffer(self, buf, prefix: str, n_puts: int, base: int) -> int:
         for k in range(n_puts):
@@ -324,7 +358,8 @@ def throughput(args) -> list[str]:
                     r = summarise(reps)
                     ok = len(bench.failures) == n_fail
                     rows.append((label, nbytes, per_put, n_prod, r))
-                    print(f"{label:>5} {per_put:>3} {n_prod:>4} {f'{args.repeats}x{rounds}x{k * per_put * n_prod}':>9} | "
+                    cell = f"{args.repeats}x{rounds}x{k * per_put * n_prod}"
+                    print(f"{label:>5} {per_put:>3} {n_prod:>4} {cell:>9} | "
                           f"{fmt(r['raw'], 9)} {fmt(r['tq'], 9)} {fmt(r['buffer'], 12)} {fmt(r['durable'], 8)} "
                           f"{fmt(r['buffer'] * nbytes / 1024**2, 8)} | {fmt_ratio(r['buffer/raw'])} "
                           f"{fmt_ratio(r['buffer/tq'])} {fmt_ratio(r['durable/raw'])} | "
@@ -382,6 +417,71 @@ def sampling_cost(quick: bool) -> None:
         print(f"{sampler:>12} | {cost[1_000]:>10.0f} | {cost[100_000]:>10.0f} | {cost[100_000] / cost[1_000]:.2f}")
 
 
+#: Part 2's rows: (who, what, key in the measured dict, what it stands for)
+COST_ROWS = [("producer", "ray.put of the group", "ray.put", "raw pays this too"),
+             ("producer", "buffer.put (returns once queued)", "buffer.put", "1 MB: + the same ray.put; 4 KB: a copy"),
+             ("producer", "flush: the controller's put_many", "flush", "background in the throughput runs"),
+             ("consumer", "raw: the call handing over a ref", "raw call", "an actor call returning one ref"),
+             ("consumer", "raw: ray.get of that ref", "raw get", ""),
+             ("consumer", "buffer: the controller's sample", "sample", "returns the metadata + the ref(s)"),
+             ("consumer", "buffer: ray.get of the sampled group", "get", ""),
+             ("consumer", "buffer: 8 one-sample groups -> 1 batch", "assemble",
+              "one copy per field (a group sampled whole: none)"),
+             ("either", "an empty controller call (size)", "size", "the floor of any actor call here")]
+
+
+def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
+    """Part 2: where a group of 8 goes, each call alone and one at a time (nothing else runs): median ms
+    per call, for a 4 KB group (its bytes ride inside the controller calls) and a 1 MB group (a ref)."""
+    buf = RayReplayBuffer.create(BufferSpec(table=TableSpec(sampler="fifo", max_size=1 << 20),
+                                            staleness=StalenessSpec(threshold=None),
+                                            capacity=CapacitySpec(memory_budget_bytes=768 * 1024**2)))
+    out = {}
+    try:
+        for label, nbytes in (("4 KB", 4 * 1024), ("1 MB", 1024**2)):
+            ray.get(producer.prepare.remote(nbytes, 8))
+            buf.clear()
+            m = min(n, ROUND_BYTES // (8 * nbytes))  # all of them stay in the buffer until sampled below
+            times = ray.get(producer.put_costs.remote(buf, f"cost{nbytes}", m))
+            ray.get(producer.hold.remote(m))
+            for key in ("raw call", "raw get", "sample", "get", "size", "assemble"):
+                times[key] = []
+            # a batch of 8 samples put one per group: its rows come from 8 payloads, the batch is one array
+            singles = [({"x": np.ones((1, nbytes // 4), np.float32), "id": np.zeros((1, 1), np.int64)}, [0])
+                       for _ in range(8)]
+            for k in range(m):
+                t = time.perf_counter()
+                refs = ray.get(producer.hand.remote())[0]
+                times["raw call"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                ray.get(refs)
+                times["raw get"].append(time.perf_counter() - t)
+                del refs
+                # the client's sample() in its two halves: the controller call, then the consumer's ray.get
+                t = time.perf_counter()
+                status, (metas, parts, info) = ray.get(buf._controller.sample.remote(8, 0, 120.0, None))
+                times["sample"].append(time.perf_counter() - t)
+                assert status == "ok", (metas, parts, info)
+                t = time.perf_counter()
+                buf._fetch([], parts, {})
+                times["get"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                buf.size()
+                times["size"].append(time.perf_counter() - t)
+                t = time.perf_counter()
+                assemble_fields(singles)
+                times["assemble"].append(time.perf_counter() - t)
+            out[label] = {key: 1e3 * float(np.median(v)) for key, v in times.items()}
+    finally:
+        buf.close()
+    print(f"\nwhere a group of 8 goes: each call alone, one at a time, median ms of {n} (4 KB) / "
+          f"{min(n, ROUND_BYTES // (8 * 1024**2))} (1 MB)")
+    print(f"{'':>8} {'call':<38} | {'4 KB':>5} | {'1 MB':>5} |")
+    for who, what, key, note in COST_ROWS:
+        print(f"{who:>8} {what:<38} | {out['4 KB'][key]:>5.2f} | {out['1 MB'][key]:>5.2f} | {note}")
+    return out
+
+
 def _list(kind, choices):
     def parse(text: str):
         out = [kind(v) for v in text.split(",") if v]
@@ -400,7 +500,10 @@ def main() -> None:
     ap.add_argument("--producers", type=_list(int, PRODUCERS), default=PRODUCERS, help="comma list of 1,2,4")
     ap.add_argument("--per-put", type=_list(int, PER_PUT), default=PER_PUT, help="samples per put: 1,8")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="repetitions per cell, every transport once each in a rotated order (default 5; 2 with --quick)")
+                    help="repetitions per cell, every transport once each, in a rotated order (default 5; "
+                         "2 with --quick)")
+    ap.add_argument("--parts", type=_list(str, PARTS), default=PARTS,
+                    help="comma list of throughput,costs,sampling (parts 1, 2, 3 of the docstring)")
     ap.add_argument("--num-cpus", type=int, default=8)
     args = ap.parse_args()
     if args.repeats is None:
@@ -408,14 +511,21 @@ def main() -> None:
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: at least 1 repetition per cell")
     t0 = time.time()
+    # the 16 MB x 8 cells spill a few hundred MB, and Ray refuses to spill once the disk is 95 % full (on
+    # this machine's shared disk one full run died of OutOfDiskError in a raw ray.put): allow up to 99 %
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, object_store_memory=1024 * 1024**2,
-             log_to_driver=False, configure_logging=False)
+             log_to_driver=False, configure_logging=False, _system_config={"local_fs_capacity_threshold": 0.99})
+    failures = []
     try:
         print(f"ray {ray.__version__}, {os.cpu_count()} CPUs visible")
-        failures = throughput(args)
+        if "throughput" in args.parts:
+            failures = throughput(args)
+        if "costs" in args.parts:
+            call_costs(Producer.remote(0), 20 if args.quick else 100)
     finally:
         ray.shutdown()
-    sampling_cost(args.quick)
+    if "sampling" in args.parts:
+        sampling_cost(args.quick)
     print(f"\ntotal {time.time() - t0:.0f} s")
     if failures:
         print(f"\n{len(failures)} exact-once failure(s):\n  " + "\n  ".join(failures), file=sys.stderr)

@@ -120,6 +120,14 @@ def settings(args) -> list[tuple[str, list[str]]]:
     return out
 
 
+def training_order(args) -> list[tuple[str, list[str]]]:
+    """:func:`settings` in the order they train: one after the other, so a machine whose speed drifts
+    favours whichever comes at its fast hour; ``--reverse`` on every other seed cancels that in pooled
+    figures (tables keep :func:`settings` ' order)."""
+    out = settings(args)
+    return out[::-1] if getattr(args, "reverse", False) else out
+
+
 #: metrics the trainer logs as a running figure of the whole run so far: the run's value is the last one
 RUN_SO_FAR = ("perf/learner_idle_frac",)
 
@@ -358,6 +366,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-auto", dest="auto", action="store_false", help="leave out max_off_policy_threshold: auto")
     ap.add_argument("--no-sync", dest="sync", action="store_false",
                     help="leave out sync (e.g. more seeds of the async settings alone; no speed-up column then)")
+    ap.add_argument("--reverse", action="store_true",
+                    help="train the settings in reverse order (sync last): use it on every other seed so that "
+                         "the machine's speed drifting during a run cancels in pooled figures")
     ap.add_argument("--recipe", choices=sorted(RECIPES), default="nft")
     ap.add_argument("--correction", dest="corrections", type=_list(str, sorted(CORRECTIONS)), default=["decoupled"],
                     help="rollout correction of the separate_async settings (geneval recipe), a comma list: "
@@ -408,13 +419,15 @@ def main(argv=None) -> int:
     results: dict[str, dict] = {}
     with remote_reward(RECIPES[args.recipe] + args.overrides, args.reward_latency,
                        out / "reward_server.log") as train_only:
-        for label, overrides in settings(args):
+        for label, overrides in training_order(args):
             r = run_setting(label.replace(" ", "_").replace("=", ""), overrides, args, out, prompts, base,
                             train_overrides=train_only)
             r["metrics"] = run_metrics(Path(r["run_dir"]))
             r["reward_latency_s"] = args.reward_latency
             results[label] = r
             (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    results = {label: results[label] for label, _ in settings(args)}  # the tables' order, whatever trained first
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     plot(results, out / "curves.png", title=PLOT_TITLE, target=args.target)
     print(f"\nrecipe {args.recipe}, {args.minutes:g} min per setting, held-out GenEval overall strict accuracy "
           f"({len(prompts)} prompts x {args.images_per_prompt} images, seed {args.seed})"

@@ -68,6 +68,9 @@ def test_staleness_settings_load_and_differ_only_in_mode_and_threshold():
     assert [rc.rollout_is for rc in got.values()] == ["token", "token", "token", None, None]
     args.sync = False  # --no-sync: the same separate_async settings, sync left out
     assert [label for label, _ in bench.settings(args)] == list(got)[1:]
+    assert bench.training_order(args) == bench.settings(args)
+    args.reverse = True  # --reverse: they train last to first
+    assert [label for label, _ in bench.training_order(args)] == list(got)[1:][::-1]
     results = {"sync": {"steps": 10, "metrics": dict.fromkeys(bench.METRICS), "before": 0.2, "after": 0.35,
                         "gain": 15.0, "ci": [10.0, 20.0], "curve": [(0.0, 0.2), (1.5, 0.25), (3.0, 0.31)]},
                "async t=1 wait": {"steps": 20, "metrics": {**dict.fromkeys(bench.METRICS), "perf/throughput": 9.5},
@@ -420,3 +423,16 @@ def test_buffer_bench_refuses_zero_repetitions():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_buffer.py"), "--repeats", "0"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--repeats 0: at least 1 repetition per cell" in out.stderr
+
+
+@pytest.mark.slow
+def test_buffer_bench_call_costs_runs_alone_and_prints_every_row():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_buffer.py"), "--quick", "--parts", "costs",
+                          "--num-cpus", "2"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "where a group of 8 goes" in out.stdout and "raw smp/s" not in out.stdout  # part 1 left out
+    bench = _load("bench_buffer")
+    for _who, what, _key, _note in bench.COST_ROWS:
+        line = next(ln for ln in out.stdout.splitlines() if what in ln)
+        small, large = (float(x) for x in line.split("|")[1:3])
+        assert 0 < small < 1000 and 0 < large < 1000, line
