@@ -459,11 +459,13 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
                 del refs
                 # the client's sample() in its two halves: the controller call, then the consumer's ray.get
                 t = time.perf_counter()
-                _metas, parts, _info = buf._wait(buf._controller.sample.remote(8, 0, 120.0, None), 120.0)
+                _metas, parts, _info, token = buf._wait(
+                    buf._controller.sample.remote(8, 0, 120.0, None, buf._take_acks()), 120.0)
                 times["sample"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 buf._fetch([], parts, {})
                 times["get"].append(time.perf_counter() - t)
+                buf._acks.append(token)  # read: acknowledged with the next sample call
                 t = time.perf_counter()
                 buf.size()
                 times["size"].append(time.perf_counter() - t)

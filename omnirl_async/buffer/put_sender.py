@@ -146,9 +146,10 @@ class PutSender:
             for groups, exc in failed:
                 exc.add_note(f"raised for the put of group(s) `{groups}`, sent in the background "
                              "(`transfer_queue.max_pending_puts` > 0) and reported at this later call")
+            n, batch, results = len(batch), None, None  # the entries' payload refs go now, not at the next batch
             with self._cond:
                 self.calls += 1
-                self.sent += len(batch)
+                self.sent += n
                 self._errors.extend(exc for _g, exc in failed)
                 self._sending = 0
                 self._cond.notify_all()

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 import zlib
 from typing import Any, Sequence
 
@@ -74,6 +75,7 @@ from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, SampleRequest, 
 from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.local import check_field_names, prepare_put
 from omnirl_async.buffer.put_sender import PendingPut, PutSender
+from omnirl_async.buffer.ref_wire import check_supported, from_wire, is_wire, to_wire
 from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
@@ -85,6 +87,11 @@ _ENC = msgspec.msgpack.Encoder()
 CONTROLLER_CONCURRENCY = 64
 LOST_REASON = "payload lost: its producer (a rollout worker) died before the group was trained"
 RPC_GRACE_S = 30.0  # extra wait for the remote call itself beyond the buffer's own timeout
+#: how long the controller keeps the refs of a batch it handed out and the reader never acknowledged
+#: (a reader that died, or a ``sample_async`` request never resolved); a later read of them fails as lost
+READ_HOLD_S = 1800.0
+
+check_supported()
 
 
 def unit_for(group_uid: str, k: int) -> int:
@@ -124,11 +131,17 @@ def _guard(fn):
 class _Controller:
     """Metadata, tables and blocking logic; payloads are ``ObjectRef`` s owned by the units."""
 
-    def __init__(self, spec: BufferSpec, seed: int | None, units: list) -> None:
+    def __init__(self, spec: BufferSpec, seed: int | None, units: list, read_hold_s: float = READ_HOLD_S) -> None:
         self.core = BufferCore(spec, seed=seed)
         self.units = units
         #: group uid -> producer of its payload, for payloads a producer owns (pruned as groups leave)
         self.producer_of: dict[str, str] = {}
+        #: batches handed out as ref bytes (:mod:`.ref_wire`): token -> (time handed, the refs kept alive until
+        #: the reader acknowledges having read them)
+        self.reading: dict[int, tuple[float, list]] = {}
+        self._reading_lock = threading.Lock()
+        self._next_token = 0
+        self.read_hold_s = float(read_hold_s)
 
     def assert_healthy(self) -> int:
         ray.get([u.assert_healthy.remote() for u in self.units], timeout=60)
@@ -168,21 +181,49 @@ class _Controller:
     def lose_taken(self, metas_msgpack: bytes) -> int:
         return self.core.lose_taken(_METAS.decode(metas_msgpack), LOST_REASON)
 
-    @_guard
-    def sample(self, batch_size: int, learner_version: int, timeout: float | None, source: Any):
-        metas, parts, info = self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
-                                              source=source)
-        return _ENC.encode(metas), parts, info
+    def _hand_out(self, metas, parts, info, acks) -> tuple:
+        """A sample reply: refs go out as bytes (:mod:`.ref_wire`) and are kept here under a token until the
+        reader acknowledges it (``acks`` of a later call, or :meth:`release`) – no borrower protocol per reply."""
+        self._release(acks)
+        refs = [p for p, _ in parts if not isinstance(p, dict)]
+        token = None
+        if refs:
+            with self._reading_lock:
+                token = self._next_token
+                self._next_token += 1
+                self.reading[token] = (time.monotonic(), refs)
+            parts = [(p if isinstance(p, dict) else to_wire(p), rows) for p, rows in parts]
+        return _ENC.encode(metas), parts, info, token
+
+    def _release(self, acks) -> None:
+        now = time.monotonic()
+        with self._reading_lock:
+            for token in acks or ():
+                self.reading.pop(token, None)
+            if self.reading and now - next(iter(self.reading.values()))[0] > self.read_hold_s:  # oldest first
+                self.reading = {t: v for t, v in self.reading.items() if now - v[0] <= self.read_hold_s}
 
     @_guard
-    def sample_tickets(self, below: int, learner_version: int):
-        metas, parts, info = self.core.sample_tickets(below, learner_version=learner_version)
-        return _ENC.encode(metas), parts, info
+    def release(self, acks: list[int]) -> int:
+        """The reader has read the batches ``acks``: their refs may go. Returns the batches still held."""
+        self._release(acks)
+        return len(self.reading)
 
     @_guard
-    def sample_offline(self, num_online: int, learner_version: int, ratio: float | None = None):
-        metas, parts, info = self.core.sample_offline(num_online, learner_version=learner_version, ratio=ratio)
-        return _ENC.encode(metas), parts, info
+    def sample(self, batch_size: int, learner_version: int, timeout: float | None, source: Any,
+               acks: list[int] | None = None):
+        return self._hand_out(*self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
+                                                source=source), acks)
+
+    @_guard
+    def sample_tickets(self, below: int, learner_version: int, acks: list[int] | None = None):
+        return self._hand_out(*self.core.sample_tickets(below, learner_version=learner_version), acks)
+
+    @_guard
+    def sample_offline(self, num_online: int, learner_version: int, ratio: float | None = None,
+                       acks: list[int] | None = None):
+        return self._hand_out(*self.core.sample_offline(num_online, learner_version=learner_version, ratio=ratio),
+                              acks)
 
     @_guard
     def load_offline(self, run_dir: str):
@@ -279,6 +320,9 @@ class RayReplayBuffer(ReplayBuffer):
         self._sender: PutSender | None = None  # made by the first put of this process (it is not pickled)
         self._sender_lock = threading.Lock()
         self._owner = owner
+        #: batches this process has read, to acknowledge in its next sample call (see :mod:`.ref_wire`)
+        self._acks: list[int] = []
+        self._acks_lock = threading.Lock()
 
     @classmethod
     def create(cls, spec: BufferSpec | None = None, *, seed: int | None = None,
@@ -377,25 +421,38 @@ class RayReplayBuffer(ReplayBuffer):
                      source: SampleSource | str | None = None) -> SampleRequest:
         self.flush()  # this client's own puts first
         ref = self._controller.sample.remote(batch_size, learner_version, timeout,
-                                             None if source is None else SampleSource(source).value)
+                                             None if source is None else SampleSource(source).value,
+                                             self._take_acks())
         return SampleRequest(lambda: self._batch(*self._wait(ref, timeout)))
 
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
         self.flush()  # this client's own puts first
-        return self._batch(*self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version)),
+        return self._batch(*self._wait(self._controller.sample_tickets.remote(int(below), int(learner_version),
+                                                                         self._take_acks()),
                                        0.0))
 
     def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None) -> SampledBatch:
         self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_offline.remote(
-            int(num_online), int(learner_version), None if ratio is None else float(ratio)), 0.0))
+            int(num_online), int(learner_version), None if ratio is None else float(ratio), self._take_acks()),
+            0.0))
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:
         self.flush()  # this client's own puts first
         return self._wait(self._controller.load_offline.remote(str(run_dir)), 600.0)
 
-    def _batch(self, raw: bytes, parts, info) -> SampledBatch:
-        metas, local, info = self._fetch(_METAS.decode(raw), parts, info)
+    def _take_acks(self) -> list[int]:
+        with self._acks_lock:
+            acks, self._acks = self._acks, []
+        return acks
+
+    def _batch(self, raw: bytes, parts, info, token: int | None) -> SampledBatch:
+        try:
+            metas, local, info = self._fetch(_METAS.decode(raw), parts, info)
+        finally:  # read (or found lost): the controller may let the refs go
+            if token is not None:
+                with self._acks_lock:
+                    self._acks.append(token)
         return SampledBatch(metas=metas, fields=assemble_fields(local), info=info)
 
     def _fetch(self, metas: list[SampleMeta], parts, info: dict):
@@ -405,6 +462,7 @@ class RayReplayBuffer(ReplayBuffer):
         out of ``(metas, parts, info)`` and reported to the controller, which
         drops their groups and has those never trained generated again.
         """
+        parts = [(from_wire(p) if is_wire(p) else p, rows) for p, rows in parts]
         refs = [p for p, _ in parts if not isinstance(p, dict)]
         try:
             got = iter(ray.get(refs, timeout=self._default_timeout + RPC_GRACE_S) if refs else [])
@@ -483,6 +541,9 @@ class RayReplayBuffer(ReplayBuffer):
             if self._sender is not None and self._controller is not None:
                 self._sender.close()
                 self.flush()
+            acks = self._take_acks()
+            if acks and self._controller is not None and not self._owner:  # the owner kills the controller
+                self._wait(self._controller.release.remote(acks), 0.0)
         finally:
             self._close_actors()
 
