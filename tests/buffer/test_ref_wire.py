@@ -153,3 +153,17 @@ def test_a_batch_read_after_its_hold_expired_is_lost_and_generated_again(ray_ses
         assert buf.size() == 0
     finally:
         buf.close()
+
+
+def test_read_arguments_travel_as_one_blob_numpy_scalars_included_and_bad_ones_are_refused(ray_session):
+    buf = _buffer()
+    try:
+        assert ray.get(Owner.remote().put_groups.remote(buf, "n", 2), timeout=60) == 2
+        check_rows(buf.sample(np.int64(4), learner_version=np.int32(0), timeout=np.float32(30)))
+        with pytest.raises(ValueError, match=r"`batch_size` = '<object object at"):
+            buf.sample(object(), learner_version=0, timeout=5)
+        with pytest.raises(ValueError, match=r"`below` = -1"):
+            buf.sample_tickets(-1, learner_version=0)
+        check_rows(buf.sample(4, learner_version=0, timeout=30))  # the other group: nothing was taken by them
+    finally:
+        buf.close()
