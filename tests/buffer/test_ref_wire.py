@@ -74,6 +74,7 @@ def test_check_supported_names_the_missing_calls_and_the_ray_version():
         check_supported(Old)
 
 
+@pytest.mark.slow  # 300 MB through the object store
 def test_a_reader_gets_the_arrays_and_they_outlive_every_ref(ray_session):
     owner, holder = Owner.remote(), Holder.remote()
     ray.get(holder.take.remote(0, ray.get(owner.put.remote(7.0))))
@@ -88,6 +89,7 @@ def test_a_reader_gets_the_arrays_and_they_outlive_every_ref(ray_session):
     assert float(arr.min()) == float(arr.max()) == 7.0  # the reader's arrays still hold their memory
 
 
+@pytest.mark.slow  # waits for Ray to free a killed actor's objects
 def test_a_dead_owner_makes_the_read_fail_as_lost(ray_session):
     owner, holder = Owner.remote(), Holder.remote()
     ray.get(holder.take.remote(0, ray.get(owner.put.remote(1.0))))
