@@ -41,9 +41,11 @@ the repetitions. Below the table, issue 18's goals with the worst median
 ratio over the producer counts and met / not met. Samples flow in rounds
 (each producer makes k puts, the consumer drains them concurrently) so that
 at most ~256 MB (at least one put per producer, 512 MB for 4 x 128 MB) is in
-flight: the object store is 1 GB. Rates are samples over the summed round
-times; actors start, and each transport is warmed up, outside the timed
-regions. One repetition of a cell lasts well under a second at 4 KB and 1 MB,
+flight: the object store is 2 GB (in a 1 GB store the 512 MB of the 16 MB x 8
+x 4-producer cell spilled to disk and every transport ran at the disk's
+speed). Column ``cell``: repetitions x rounds x samples per round. Rates
+are samples over the summed round times; actors start, and each transport
+is warmed up, outside the timed regions. One repetition of a cell lasts well under a second at 4 KB and 1 MB,
 and a loaded 2-core machine's speed drifts 2x within minutes: single
 repetitions swing by ±50 %, which is what the repetitions are for.
 
@@ -334,7 +336,7 @@ def throughput(args) -> list[str]:
     bench = Bench(tq_client, buf, durable, producers)
     print(f"\nmedians over {args.repeats} repetitions (every transport once per repetition, rotated order); "
           "ratios: median [min-max] of the ratio within a repetition")
-    print(f"{'size':>5} {'put':>3} {'prod':>4} {'rounds':>9} | {'raw smp/s':>9} {'tq smp/s':>9} {'buffer smp/s':>12} "
+    print(f"{'size':>5} {'put':>3} {'prod':>4} {'cell':>9} | {'raw smp/s':>9} {'tq smp/s':>9} {'buffer smp/s':>12} "
           f"{'durable':>8} {'buf MB/s':>8} | {'buf/raw':>16} {'buf/tq':>16} {'dur/raw':>16} | once")
     rows = []
     try:
@@ -423,7 +425,7 @@ COST_ROWS = [("producer", "ray.put of the group", "ray.put", "raw pays this too"
              ("producer", "flush: the controller's put_many", "flush", "background in the throughput runs"),
              ("consumer", "raw: the call handing over a ref", "raw call", "an actor call returning one ref"),
              ("consumer", "raw: ray.get of that ref", "raw get", ""),
-             ("consumer", "buffer: the controller's sample", "sample", "returns the metadata + the ref(s)"),
+             ("consumer", "buffer: the controller's sample", "sample", "the metadata + the ref(s) as bytes"),
              ("consumer", "buffer: ray.get of the sampled group", "get", ""),
              ("consumer", "buffer: 8 one-sample groups -> 1 batch", "assemble",
               "one copy per field (a group sampled whole: none)"),
@@ -512,9 +514,9 @@ def main() -> None:
     if args.repeats < 1:
         ap.error(f"--repeats {args.repeats}: at least 1 repetition per cell")
     t0 = time.time()
-    # the 16 MB x 8 cells spill a few hundred MB, and Ray refuses to spill once the disk is 95 % full (on
-    # this machine's shared disk one full run died of OutOfDiskError in a raw ray.put): allow up to 99 %
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, object_store_memory=1024 * 1024**2,
+    # 2 GB: the 16 MB x 8 x 4 cell has 512 MB in flight. Should anything spill, Ray refuses to once the disk is
+    # 95 % full (on this machine's shared disk one run died of OutOfDiskError in a raw ray.put): allow up to 99 %
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, object_store_memory=2 * 1024**3,
              log_to_driver=False, configure_logging=False, _system_config={"local_fs_capacity_threshold": 0.99})
     failures = []
     try:

@@ -14,8 +14,13 @@ Who holds what:
   producer registers with the controller. Ray frees an object when its
   *owner* dies (PITFALLS "Ray object store"); owners here are long-lived, so
   the data outlives the producer;
-* a consumer gets ``ObjectRef`` s from the controller and reads them with
-  ``ray.get``: numpy arrays come back zero-copy (read-only views).
+* a consumer gets the payloads' refs from the controller and reads them with
+  ``ray.get``: numpy arrays come back zero-copy (read-only views). The refs
+  travel as bytes (:mod:`.ref_wire`): the controller keeps each batch's refs
+  under a token until the reader acknowledges it (in its next read call, or
+  :meth:`RayReplayBuffer.close`; ``READ_HOLD_S`` for a reader that never
+  does), which spares Ray's borrower protocol – ~1 ms per 8-ref reply on
+  2 cores. A read's arguments go as one msgpack blob (one Ray argument).
 
 So one put is two actor calls (unit, controller) and one sample is one actor
 call plus one ``ray.get`` – per *group* and per *batch*, never per sample.
