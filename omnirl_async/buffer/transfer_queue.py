@@ -201,10 +201,9 @@ class _Controller:
     def lose_taken(self, metas_msgpack: bytes) -> int:
         return self.core.lose_taken(_METAS.decode(metas_msgpack), LOST_REASON)
 
-    def _hand_out(self, metas, parts, info, acks) -> tuple:
+    def _hand_out(self, metas, parts, info) -> tuple:
         """A sample reply: refs go out as bytes (:mod:`.ref_wire`) and are kept here under a token until the
         reader acknowledges it (``acks`` of a later call, or :meth:`release`) – no borrower protocol per reply."""
-        self._release(acks)
         refs = [p for p, _ in parts if not isinstance(p, dict)]
         token = None
         if refs:
@@ -235,21 +234,23 @@ class _Controller:
     def sample(self, request: bytes):
         """``request``: msgpack ``[batch_size, learner_version, timeout, source, acks]``."""
         batch_size, learner_version, timeout, source, acks = msgspec.msgpack.decode(request)
+        self._release(acks)  # first: a read that fails or times out still acknowledges the earlier ones
         return self._hand_out(*self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
-                                                source=source), acks)
+                                                source=source))
 
     @_guard
     def sample_tickets(self, request: bytes):
         """``request``: msgpack ``[below, learner_version, acks]``."""
         below, learner_version, acks = msgspec.msgpack.decode(request)
-        return self._hand_out(*self.core.sample_tickets(below, learner_version=learner_version), acks)
+        self._release(acks)
+        return self._hand_out(*self.core.sample_tickets(below, learner_version=learner_version))
 
     @_guard
     def sample_offline(self, request: bytes):
         """``request``: msgpack ``[num_online, learner_version, ratio, acks]``."""
         num_online, learner_version, ratio, acks = msgspec.msgpack.decode(request)
-        return self._hand_out(*self.core.sample_offline(num_online, learner_version=learner_version, ratio=ratio),
-                              acks)
+        self._release(acks)
+        return self._hand_out(*self.core.sample_offline(num_online, learner_version=learner_version, ratio=ratio))
 
     @_guard
     def load_offline(self, run_dir: str):

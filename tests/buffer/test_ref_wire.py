@@ -169,3 +169,16 @@ def test_read_arguments_travel_as_one_blob_numpy_scalars_included_and_bad_ones_a
         check_rows(buf.sample(4, learner_version=0, timeout=30))  # the other group: nothing was taken by them
     finally:
         buf.close()
+
+
+def test_a_read_that_times_out_still_acknowledges_the_batches_read_before(ray_session):
+    buf = _buffer()
+    try:
+        assert ray.get(Owner.remote().put_groups.remote(buf, "t", 1), timeout=60) == 1
+        check_rows(buf.sample(4, learner_version=0, timeout=30))
+        assert _held(buf) == 1
+        with pytest.raises(TimeoutError):
+            buf.sample(4, learner_version=0, timeout=0.2)  # nothing left: times out ...
+        assert _held(buf) == 0  # ... and the batch read before is released all the same
+    finally:
+        buf.close()
