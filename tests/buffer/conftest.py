@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 import pytest
@@ -67,3 +68,22 @@ def check_rows(batch) -> None:
 @pytest.fixture
 def cfgs():
     return buffer_cfg, sampler_cfg, tq_cfg
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    """A local Ray cluster per test module (4 CPUs, 300 MB object store); workers import this folder's helpers."""
+    ray = pytest.importorskip("ray")
+    here = os.path.dirname(os.path.abspath(__file__))
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = here + (os.pathsep + old if old else "")
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=300 * 1024**2, log_to_driver=False,
+             configure_logging=False)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old

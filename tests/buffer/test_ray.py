@@ -3,7 +3,6 @@ remote errors."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -17,24 +16,6 @@ from omnirl_async.buffer.spec import TransportSpec  # noqa: E402
 from omnirl_async.buffer.transfer_queue import LOST_REASON, RayReplayBuffer  # noqa: E402
 
 INLINE_BYTES = TransportSpec().inline_max_bytes
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    # workers inherit the environment of the local cluster: let them import this folder's helpers
-    here = os.path.dirname(os.path.abspath(__file__))
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = here + (os.pathsep + old if old else "")
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=300 * 1024**2, log_to_driver=False,
-             configure_logging=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ controller keeps the refs, and what a reader that comes too late gets."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -17,23 +16,6 @@ from omnirl_async.buffer.transfer_queue import (RayReplayBuffer, StorageUnit,  #
                                                 TransferQueueController)
 
 BIG = 64 * 1024 // 4  # floats per row: a group of 4 rows is 256 KB, over the inline limit (a ref, not inline bytes)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    here = os.path.dirname(os.path.abspath(__file__))
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = here + (os.pathsep + old if old else "")
-    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=200 * 1024**2, log_to_driver=False,
-             configure_logging=False)
-    try:
-        yield
-    finally:
-        ray.shutdown()
-        if old is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = old
 
 
 @ray.remote(num_cpus=0)
@@ -83,7 +65,7 @@ def test_a_reader_gets_the_arrays_and_they_outlive_every_ref(ray_session):
     arr = ray.get(from_wire(wire), timeout=30)
     assert arr.shape == (256, 1024) and float(arr.min()) == float(arr.max()) == 7.0
     ray.get(holder.drop.remote(0))  # the last real ref goes: the owner frees the object ...
-    for i in range(300):  # ... and 300 MB more pass through a 200 MB store
+    for i in range(400):  # ... and 400 MB more pass through a 300 MB store
         ray.get(holder.take.remote(i + 1, ray.get(owner.put.remote(float(i)))))
         ray.get(holder.drop.remote(i + 1))
     assert float(arr.min()) == float(arr.max()) == 7.0  # the reader's arrays still hold their memory
@@ -102,83 +84,76 @@ def test_a_dead_owner_makes_the_read_fail_as_lost(ray_session):
             time.sleep(0.2)
 
 
-def _buffer(read_hold_s: float | None = None) -> RayReplayBuffer:
-    s = spec(buffer_cfg(max_size=64), q=tq_cfg())
-    units = [StorageUnit.remote(0)]
-    args = (s, 0, units) if read_hold_s is None else (s, 0, units, read_hold_s)
-    return RayReplayBuffer(TransferQueueController.remote(*args), units, 60.0, owner=True)
+@pytest.fixture
+def make_buf(ray_session):
+    """``make_buf(read_hold_s=None, groups=0, prefix="g")``: a new buffer (closed after the test) with ``groups``
+    groups of 4 put by an actor that owns them."""
+    made = []
+
+    def make(read_hold_s: float | None = None, groups: int = 0, prefix: str = "g") -> RayReplayBuffer:
+        s = spec(buffer_cfg(max_size=64), q=tq_cfg())
+        units = [StorageUnit.remote(0)]
+        args = (s, 0, units) if read_hold_s is None else (s, 0, units, read_hold_s)
+        made.append(RayReplayBuffer(TransferQueueController.remote(*args), units, 60.0, owner=True))
+        if groups:
+            assert ray.get(Owner.remote().put_groups.remote(made[-1], prefix, groups), timeout=60) == groups
+        return made[-1]
+
+    yield make
+    for buf in made:
+        buf.close()
 
 
 def _held(buf: RayReplayBuffer) -> int:
     return buf._wait(buf._controller.release.remote([]), 0.0)
 
 
-def test_the_controller_keeps_a_batchs_refs_until_the_reader_has_read_it(ray_session):
-    buf = _buffer()
-    try:
-        owner = Owner.remote()
-        assert ray.get(owner.put_groups.remote(buf, "g", 3), timeout=60) == 3
-        assert _held(buf) == 0
-        first = buf.sample(4, learner_version=0, timeout=30)
-        check_rows(first)
-        assert _held(buf) == 1  # read, acknowledged with the next sample call
-        request = buf.sample_async(4, learner_version=0, timeout=30)  # acknowledges the first
-        time.sleep(0.5)
-        assert _held(buf) == 1  # the second: handed out, not read yet
-        check_rows(request.result())
-        third = buf.sample_async(4, learner_version=0, timeout=30)
-        check_rows(third.result())
-        assert _held(buf) == 1
-        copy = RayReplayBuffer(buf._controller, buf._units, 60.0)  # a reader that is not the owner ...
-        copy._acks = buf._take_acks()
-        copy.close()  # ... acknowledges what it read when it closes
-        assert _held(buf) == 0
-    finally:
-        buf.close()
+def test_the_controller_keeps_a_batchs_refs_until_the_reader_has_read_it(make_buf):
+    buf = make_buf(groups=3)
+    assert _held(buf) == 0
+    check_rows(buf.sample(4, learner_version=0, timeout=30))
+    assert _held(buf) == 1  # read, acknowledged with the next sample call
+    request = buf.sample_async(4, learner_version=0, timeout=30)  # acknowledges the first
+    time.sleep(0.5)
+    assert _held(buf) == 1  # the second: handed out, not read yet
+    check_rows(request.result())
+    check_rows(buf.sample_async(4, learner_version=0, timeout=30).result())
+    assert _held(buf) == 1
+    copy = RayReplayBuffer(buf._controller, buf._units, 60.0)  # a reader that is not the owner ...
+    copy._acks = buf._take_acks()
+    copy.close()  # ... acknowledges what it read when it closes
+    assert _held(buf) == 0
 
 
-def test_a_batch_read_after_its_hold_expired_is_lost_and_generated_again(ray_session):
-    buf = _buffer(read_hold_s=0.5)
-    try:
-        owner = Owner.remote()
-        assert ray.get(owner.put_groups.remote(buf, "late", 1), timeout=60) == 1
-        request = buf.sample_async(4, learner_version=0, timeout=30)
-        deadline = time.monotonic() + 30
-        while _held(buf) == 0 and time.monotonic() < deadline:  # the reply is on its way
-            time.sleep(0.1)
-        time.sleep(1.0)
-        assert _held(buf) == 0  # expired: the controller let the refs go, the owner frees the group
-        time.sleep(1.0)
-        batch = request.result()
-        assert len(batch) == 0  # the rows could not be read: left out, not an error
-        assert [r.group_uid for r in buf.take_refill_requests()] == ["late0"]  # never trained: generated again
-        assert buf.size() == 0
-    finally:
-        buf.close()
+def test_a_batch_read_after_its_hold_expired_is_lost_and_generated_again(make_buf):
+    buf = make_buf(read_hold_s=0.5, groups=1, prefix="late")
+    request = buf.sample_async(4, learner_version=0, timeout=30)
+    deadline = time.monotonic() + 30
+    while _held(buf) == 0 and time.monotonic() < deadline:  # the reply is on its way
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert _held(buf) == 0  # expired: the controller let the refs go, the owner frees the group
+    time.sleep(1.0)
+    batch = request.result()
+    assert len(batch) == 0  # the rows could not be read: left out, not an error
+    assert [r.group_uid for r in buf.take_refill_requests()] == ["late0"]  # never trained: generated again
+    assert buf.size() == 0
 
 
-def test_read_arguments_travel_as_one_blob_numpy_scalars_included_and_bad_ones_are_refused(ray_session):
-    buf = _buffer()
-    try:
-        assert ray.get(Owner.remote().put_groups.remote(buf, "n", 2), timeout=60) == 2
-        check_rows(buf.sample(np.int64(4), learner_version=np.int32(0), timeout=np.float32(30)))
-        with pytest.raises(ValueError, match=r"`batch_size` = '<object object at"):
-            buf.sample(object(), learner_version=0, timeout=5)
-        with pytest.raises(ValueError, match=r"`below` = -1"):
-            buf.sample_tickets(-1, learner_version=0)
-        check_rows(buf.sample(4, learner_version=0, timeout=30))  # the other group: nothing was taken by them
-    finally:
-        buf.close()
+def test_read_arguments_travel_as_one_blob_numpy_scalars_included_and_bad_ones_are_refused(make_buf):
+    buf = make_buf(groups=2)
+    check_rows(buf.sample(np.int64(4), learner_version=np.int32(0), timeout=np.float32(30)))
+    with pytest.raises(ValueError, match=r"`batch_size` = '<object object at"):
+        buf.sample(object(), learner_version=0, timeout=5)
+    with pytest.raises(ValueError, match=r"`below` = -1"):
+        buf.sample_tickets(-1, learner_version=0)
+    check_rows(buf.sample(4, learner_version=0, timeout=30))  # the other group: nothing was taken by them
 
 
-def test_a_read_that_times_out_still_acknowledges_the_batches_read_before(ray_session):
-    buf = _buffer()
-    try:
-        assert ray.get(Owner.remote().put_groups.remote(buf, "t", 1), timeout=60) == 1
-        check_rows(buf.sample(4, learner_version=0, timeout=30))
-        assert _held(buf) == 1
-        with pytest.raises(TimeoutError):
-            buf.sample(4, learner_version=0, timeout=0.2)  # nothing left: times out ...
-        assert _held(buf) == 0  # ... and the batch read before is released all the same
-    finally:
-        buf.close()
+def test_a_read_that_times_out_still_acknowledges_the_batches_read_before(make_buf):
+    buf = make_buf(groups=1)
+    check_rows(buf.sample(4, learner_version=0, timeout=30))
+    assert _held(buf) == 1
+    with pytest.raises(TimeoutError):
+        buf.sample(4, learner_version=0, timeout=0.2)  # nothing left: times out ...
+    assert _held(buf) == 0  # ... and the batch read before is released all the same
