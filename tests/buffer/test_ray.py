@@ -10,10 +10,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from conftest import buffer_cfg, check_rows, make_group, sampler_cfg, tq_cfg  # noqa: E402
+from conftest import buffer_cfg, check_rows, make_group, sampler_cfg, spec, tq_cfg  # noqa: E402
 from omnirl_async.buffer import make_replay_buffer  # noqa: E402
 from omnirl_async.buffer.spec import TransportSpec  # noqa: E402
-from omnirl_async.buffer.transfer_queue import LOST_REASON, RayReplayBuffer  # noqa: E402
+from omnirl_async.buffer.transfer_queue import (LOST_REASON, RayReplayBuffer, StorageUnit,  # noqa: E402
+                                                TransferQueueController)
 
 INLINE_BYTES = TransportSpec().inline_max_bytes
 
@@ -310,3 +311,80 @@ def test_sample_requests_in_flight_are_each_served_whole_groups_once(rbuf):
     assert got == [[f"s0/{i}" for i in range(4)], [f"s1/{i}" for i in range(4)]]
     with pytest.raises(TimeoutError, match="need 4 from online"):
         rbuf.sample_async(4, learner_version=0, timeout=0.2).result()
+
+
+# ------------------------------------------------ reads hand out refs as bytes (buffer/ref_wire.py)
+@pytest.fixture
+def make_buf(ray_session):
+    """``make_buf(read_hold_s=None, groups=0, prefix="g")``: a new buffer (closed after the test) with ``groups``
+    groups of 4 put by a producer actor that owns them."""
+    made = []
+
+    def make(read_hold_s: float | None = None, groups: int = 0, prefix: str = "g") -> RayReplayBuffer:
+        s = spec(buffer_cfg(max_size=64), q=tq_cfg())
+        units = [StorageUnit.remote(0)]
+        args = (s, 0, units) if read_hold_s is None else (s, 0, units, read_hold_s)
+        made.append(RayReplayBuffer(TransferQueueController.remote(*args), units, 60.0, owner=True))
+        if groups:  # over the inline limit: the producer owns them, the controller holds refs
+            assert ray.get(Producer.remote(made[-1]).run.remote(prefix, groups, INLINE_BYTES // 4, "w0"),
+                           timeout=60) == groups
+        return made[-1]
+
+    yield make
+    for buf in made:
+        buf.close()
+
+
+def _held(buf: RayReplayBuffer) -> int:
+    return buf._wait(buf._controller.release.remote([]), 0.0)
+
+
+def test_the_controller_keeps_a_batchs_refs_until_the_reader_has_read_it(make_buf):
+    buf = make_buf(groups=3)
+    assert _held(buf) == 0
+    check_rows(buf.sample(4, learner_version=0, timeout=30))
+    assert _held(buf) == 1  # read, acknowledged with the next sample call
+    request = buf.sample_async(4, learner_version=0, timeout=30)  # acknowledges the first
+    time.sleep(0.5)
+    assert _held(buf) == 1  # the second: handed out, not read yet
+    check_rows(request.result())
+    check_rows(buf.sample_async(4, learner_version=0, timeout=30).result())
+    assert _held(buf) == 1
+    copy = RayReplayBuffer(buf._controller, buf._units, 60.0)  # a reader that is not the owner ...
+    copy._acks = buf._take_acks()
+    copy.close()  # ... acknowledges what it read when it closes
+    assert _held(buf) == 0
+
+
+def test_a_batch_read_after_its_hold_expired_is_lost_and_generated_again(make_buf):
+    buf = make_buf(read_hold_s=0.5, groups=1, prefix="late")
+    request = buf.sample_async(4, learner_version=0, timeout=30)
+    deadline = time.monotonic() + 30
+    while _held(buf) == 0 and time.monotonic() < deadline:  # the reply is on its way
+        time.sleep(0.1)
+    time.sleep(1.0)
+    assert _held(buf) == 0  # expired: the controller let the refs go, the owner frees the group
+    time.sleep(1.0)
+    batch = request.result()
+    assert len(batch) == 0  # the rows could not be read: left out, not an error
+    assert [r.group_uid for r in buf.take_refill_requests()] == ["lateg0"]  # never trained: generated again
+    assert buf.size() == 0
+
+
+def test_read_arguments_travel_as_one_blob_numpy_scalars_included_and_bad_ones_are_refused(make_buf):
+    buf = make_buf(groups=2)
+    check_rows(buf.sample(np.int64(4), learner_version=np.int32(0), timeout=np.float32(30)))
+    with pytest.raises(ValueError, match=r"`batch_size` = '<object object at"):
+        buf.sample(object(), learner_version=0, timeout=5)
+    with pytest.raises(ValueError, match=r"`below` = -1"):
+        buf.sample_tickets(-1, learner_version=0)
+    check_rows(buf.sample(4, learner_version=0, timeout=30))  # the other group: nothing was taken by them
+
+
+def test_a_read_that_times_out_still_acknowledges_the_batches_read_before(make_buf):
+    buf = make_buf(groups=1)
+    check_rows(buf.sample(4, learner_version=0, timeout=30))
+    assert _held(buf) == 1
+    with pytest.raises(TimeoutError):
+        buf.sample(4, learner_version=0, timeout=0.2)  # nothing left: times out ...
+    assert _held(buf) == 0  # ... and the batch read before is released all the same
