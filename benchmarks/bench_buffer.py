@@ -45,9 +45,10 @@ flight: the object store is 2 GB (in a 1 GB store the 512 MB of the 16 MB x 8
 x 4-producer cell spilled to disk and every transport ran at the disk's
 speed). Column ``cell``: repetitions x rounds x samples per round. Rates
 are samples over the summed round times; actors start, and each transport
-is warmed up, outside the timed regions. One repetition of a cell lasts well under a second at 4 KB and 1 MB,
-and a loaded 2-core machine's speed drifts 2x within minutes: single
-repetitions swing by ±50 %, which is what the repetitions are for.
+is warmed up, outside the timed regions. One repetition of a cell lasts
+well under a second at 4 KB and 1 MB, and a loaded 2-core machine's speed
+drifts 2x within minutes: single repetitions swing by ±50 %, which is what
+the repetitions are for.
 
 Part 2 – where a group of 8 goes (``costs``): each call of both paths alone,
 one at a time on an otherwise idle cluster, median ms, for a 4 KB group (its
@@ -467,7 +468,7 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
                 t = time.perf_counter()
                 buf._fetch([], parts, {})
                 times["get"].append(time.perf_counter() - t)
-                buf._acks.append(token)  # read: acknowledged with the next sample call
+                buf._ack(token)  # read: acknowledged with the next sample call
                 t = time.perf_counter()
                 buf.size()
                 times["size"].append(time.perf_counter() - t)

@@ -2,12 +2,12 @@
 
 Why: an ``ObjectRef`` inside an actor call's reply makes Ray run its borrower
 protocol – the caller registers as a borrower with the object's owner and the
-callee reports the borrow back – which on a 2-core machine costs ~0.9 ms per
-reply, more than the call itself (measured in ``benchmarks/bench_buffer.py
---parts costs``). The replay-buffer controller already *holds* every payload
-ref until the group is read, so it can keep that ref until the reader says it
-has the arrays and send only the ref's id, owner address and status (a few
-hundred bytes of ``bytes``) in between. The reader registers the ref with its
+callee reports the borrow back – which on a 2-core machine costs ~1 ms per
+reply, more than an empty call (measured A/B; README, "Replay buffer").
+The replay-buffer controller already *holds* every payload ref until the
+group is read, so it can keep that ref until the reader says it has the
+arrays and send only the ref's id, owner address and status (a few hundred
+bytes of ``bytes``) in between. The reader registers the ref with its
 owner's address – what Ray itself does when it deserialises a ref – and
 ``ray.get`` s it as usual; the numpy arrays it gets keep the object's memory
 alive after every ref is dropped, like any ``ray.get`` result.
@@ -30,7 +30,7 @@ import ray
 
 __all__ = ["Wire", "check_supported", "from_wire", "is_wire", "to_wire"]
 
-#: (object id, owner address, object status): what Ray's own serializer sends for a ref
+#: (tag, object id, owner address, object status): the tag marks it; the rest is what Ray's own serializer sends
 Wire = tuple
 
 _TAG = "omnirl-ref"

@@ -471,13 +471,17 @@ class RayReplayBuffer(ReplayBuffer):
             acks, self._acks = self._acks, []
         return acks
 
+    def _ack(self, token: int | None) -> None:
+        """Batch ``token`` was read (or found lost): acknowledged in this client's next read call."""
+        if token is not None:
+            with self._acks_lock:
+                self._acks.append(token)
+
     def _batch(self, raw: bytes, parts, info, token: int | None) -> SampledBatch:
         try:
             metas, local, info = self._fetch(_METAS.decode(raw), parts, info)
         finally:  # read (or found lost): the controller may let the refs go
-            if token is not None:
-                with self._acks_lock:
-                    self._acks.append(token)
+            self._ack(token)
         return SampledBatch(metas=metas, fields=assemble_fields(local), info=info)
 
     def _fetch(self, metas: list[SampleMeta], parts, info: dict):
