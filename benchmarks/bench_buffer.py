@@ -78,7 +78,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from omnirl_async.buffer import LocalReplayBuffer  # noqa: E402
 from omnirl_async.buffer.base import assemble_fields  # noqa: E402
 from omnirl_async.buffer.spec import BufferSpec, CapacitySpec, StalenessSpec, TableSpec, TransportSpec  # noqa: E402
-from omnirl_async.buffer.transfer_queue import RayReplayBuffer, _request  # noqa: E402
+from omnirl_async.buffer.rpc import request  # noqa: E402
+from omnirl_async.buffer.transfer_queue import RayReplayBuffer  # noqa: E402
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags  # noqa: E402
 
 #: label, bytes per sample, samples per cell (full run)
@@ -463,7 +464,7 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
                 # the client's sample() in its two halves: the controller call, then the consumer's ray.get
                 t = time.perf_counter()
                 _metas, parts, _info, token = buf._wait(
-                    buf._controller.sample.remote(_request(8, 0, 120.0, None, buf._take_acks())), 120.0)
+                    buf._controller.sample.remote(request(8, 0, 120.0, None, buf._take_acks())), 120.0)
                 times["sample"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 buf._fetch([], parts, {})

@@ -2,12 +2,15 @@
 
 A producer's :meth:`RayReplayBuffer.put <omnirl_async.buffer.transfer_queue.RayReplayBuffer.put>`
 does its own work (validation, the object-store put of the payload) and hands
-the small registration (metadata + the payload's ``ObjectRef``) to a
+the small registration (metadata + the payload's ref, as bytes) to a
 :class:`PutSender`, which sends it to the controller from a background thread
-and returns at once. While one call is in flight the registrations that
-arrive queue up and go out together in the next call: one controller call
-per *batch* of groups when the producer is fast, one per group when it is
-slow (nothing waits for a batch to fill).
+and returns at once. The sender waits ``linger_s``
+(``transfer_queue.put_linger_s``, 5 ms) after a registration arrives for
+others to share its call, and while one call is in flight the registrations
+that arrive queue up for the next: one controller call per *batch* of groups
+when the producer is fast (a worker putting the groups of a batch of prompts
+back to back), one per group when it is slow. A flush, a full window or
+closing cuts the wait short, so nothing that waits on a put waits for it.
 
 What a producer may rely on:
 
@@ -55,11 +58,15 @@ class PutSender:
     batch. ``window`` bounds the entries queued or in flight.
     """
 
-    def __init__(self, send: Callable[[list[tuple], float], list[tuple]], window: int) -> None:
+    def __init__(self, send: Callable[[list[tuple], float], list[tuple]], window: int, linger_s: float = 0.0) -> None:
         if window < 1:
             raise ValueError(f"PutSender needs window >= 1, got {window}")
+        if not linger_s >= 0:
+            raise ValueError(f"PutSender needs linger_s >= 0, got {linger_s}")
         self._send = send
         self._window = int(window)
+        self._linger_s = float(linger_s)
+        self._flushing = 0  # flush() calls waiting: the linger ends at once
         self._cond = threading.Condition()
         self._queue: list[PendingPut] = []
         self._sending = 0
@@ -103,15 +110,20 @@ class PutSender:
         """Wait until every queued put is admitted; raises the first error met (a note counts the others)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._queue or self._sending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError(
-                        f"flush waited {timeout:.0f} s for {len(self._queue) + self._sending} puts to be admitted by "
-                        "the transfer-queue controller: the buffer is full and nobody samples, or the controller is "
-                        "overloaded or dead")
-                self._cond.wait(min(left, 1.0))
-            self._raise_error()
+            self._flushing += 1
+            self._cond.notify_all()  # a lingering sender sends now
+            try:
+                while self._queue or self._sending:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError(
+                            f"flush waited {timeout:.0f} s for {len(self._queue) + self._sending} puts to be admitted "
+                            "by the transfer-queue controller: the buffer is full and nobody samples, or the "
+                            "controller is overloaded or dead")
+                    self._cond.wait(min(left, 1.0))
+                self._raise_error()
+            finally:
+                self._flushing -= 1
 
     def close(self) -> None:
         """Stop the thread after what is queued has been sent (no wait here); later submits are refused."""
@@ -135,6 +147,10 @@ class PutSender:
                     self._cond.wait()
                 if not self._queue:
                     return
+                end = time.monotonic() + self._linger_s  # others may share this call
+                while (len(self._queue) < self._window and not (self._closed or self._flushing)
+                       and time.monotonic() < end):
+                    self._cond.wait(end - time.monotonic())
                 batch, self._queue = self._queue, []
                 self._sending = len(batch)
             failed: list[tuple[str, BaseException]] = []

@@ -171,6 +171,8 @@ class TransportSpec:
     inline_max_bytes: int = 64 * 1024
     #: puts handed to a background sender per process before a put waits (0: each put waits for the controller)
     max_pending_puts: int = 8
+    #: how long the background sender waits for more registrations to share a controller call
+    put_linger_s: float = 0.005
 
     def __post_init__(self) -> None:
         k = self.num_data_storage_units
@@ -184,6 +186,14 @@ class TransportSpec:
         if not (_is_int(w) and w >= 0):
             raise ValueError(f"`{_TQ}.max_pending_puts` = {w!r}: must be an integer >= 0 (0 = every put waits for the "
                              "controller)")
+        lg = self.put_linger_s
+        if isinstance(lg, bool) or not isinstance(lg, (int, float)) or not 0 <= lg <= 1:
+            raise ValueError(f"`{_TQ}.put_linger_s` = {lg!r}: must be a number of seconds in [0, 1] (0 = each "
+                             "registration is sent at once)")
+        if lg and w == 0:
+            raise ValueError(f"`{_TQ}.put_linger_s` = {lg!r} has no effect with `{_TQ}.max_pending_puts` = 0 (every "
+                             f"put waits for the controller, alone): set `{_TQ}.put_linger_s=0`, or "
+                             "max_pending_puts > 0")
         if not isinstance(self.producer_owned_payloads, bool):
             raise ValueError(f"`{_TQ}.producer_owned_payloads` = {self.producer_owned_payloads!r}: must be true "
                              "or false")
@@ -241,7 +251,8 @@ class BufferSpec:
                                 put_timeout_s=q.put_timeout_s)
         transport = TransportSpec(num_data_storage_units=q.num_data_storage_units,
                                   producer_owned_payloads=q.producer_owned_payloads,
-                                  inline_max_bytes=q.inline_max_bytes, max_pending_puts=q.max_pending_puts)
+                                  inline_max_bytes=q.inline_max_bytes, max_pending_puts=q.max_pending_puts,
+                                  put_linger_s=q.put_linger_s)
         return cls(table=table, staleness=staleness, rate=rate, capacity=capacity, transport=transport,
                    offline_mix_ratio=b.offline_mix_ratio)
 

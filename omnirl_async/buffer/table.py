@@ -109,6 +109,9 @@ class Table:
         self.ready_samples = 0
         self.nbytes = 0
         self._order = 0
+        #: called with each group as it leaves the table, whatever the reason (the Ray controller counts the
+        #: rows still pointing at each payload: :mod:`.wire_ledger`)
+        self.on_remove: Callable[[Group], None] | None = None
 
     @property
     def size(self) -> int:
@@ -255,6 +258,9 @@ class Table:
 
     # ------------------------------------------------------------- removal
     def _remove(self, g: Group) -> None:
+        """The one way out of the table for a group (and its rows)."""
+        if self.on_remove is not None:
+            self.on_remove(g)
         for it in g.members.values():
             del self.items[it.meta.key]
             self.nbytes -= it.nbytes

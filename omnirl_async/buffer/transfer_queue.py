@@ -6,14 +6,9 @@ Who holds what:
   :class:`~omnirl_async.buffer.core.BufferCore`: metadata (``SampleMeta``
   with status, reason, tags, timestamps, times_sampled), tables, sampling,
   staleness, rate limiting, blocking. It never touches tensor bytes;
-* the **storage units** (:class:`StorageUnit`, ``transfer_queue.
-  num_data_storage_units`` of them) *own* the tensor payloads. A producer
-  sends its batch to one unit, chosen by a stable hash of the group uid; the
-  unit copies it into the object store with ``ray.put`` – so the unit, not the
-  producer, owns the object – and hands back the ``ObjectRef``, which the
-  producer registers with the controller. Ray frees an object when its
-  *owner* dies (PITFALLS "Ray object store"); owners here are long-lived, so
-  the data outlives the producer;
+* the **payloads** live in the object store, owned by the producer (the
+  default) or by a **storage unit** (below); the controller keeps references
+  and metadata only;
 * a consumer gets the payloads' refs from the controller and reads them with
   ``ray.get``: numpy arrays come back zero-copy (read-only views). The refs
   travel as bytes (:mod:`.ref_wire`): the controller keeps each batch's refs
@@ -38,8 +33,12 @@ Two ways to own a payload (``transfer_queue.producer_owned_payloads``):
 
 * **producer-owned** (the default): the producer ``ray.put`` s its group
   itself – one object-store put, raw object-store speed – and registers the
-  ``ObjectRef`` and the metadata with the controller in one call, naming
-  itself (``producer``, the rollout worker id). Ray frees an object when its
+  ref *as bytes* and the metadata with the controller in one call, naming
+  itself (``producer``, the rollout worker id); the producing process keeps
+  the ``ObjectRef`` until the controller says no stored row and no batch
+  being read needs it (:mod:`.held_refs`, :mod:`.wire_ledger`: a ref in the
+  call's arguments would cost Ray's borrower protocol, two more RPCs per
+  group). Ray frees an object when its
   owner dies, so the groups of a rollout worker that dies are lost unless
   consumed; nothing is lost *for training* because they are generated again:
   when the trainer learns of the death it calls :meth:`RayReplayBuffer.
@@ -66,7 +65,6 @@ come back as values and are re-raised here with their original type.
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
 import zlib
@@ -76,13 +74,16 @@ import msgspec
 import numpy as np
 import ray
 
+from omnirl_async.buffer import held_refs
 from omnirl_async.buffer.base import ReplayBuffer, SampledBatch, SampleRequest, assemble_fields
 from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.local import check_field_names, prepare_put
 from omnirl_async.buffer.put_sender import PendingPut, PutSender
 from omnirl_async.buffer.ref_wire import check_supported, from_wire, is_wire, to_wire
+from omnirl_async.buffer.rpc import guard, request
 from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec
+from omnirl_async.buffer.wire_ledger import ReadHolds, WireLedger
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
 
 __all__ = ["StorageUnit", "TransferQueueController", "RayReplayBuffer", "unit_for"]
@@ -97,21 +98,6 @@ RPC_GRACE_S = 30.0  # extra wait for the remote call itself beyond the buffer's 
 READ_HOLD_S = 1800.0
 
 check_supported()
-
-
-def _plain(value: Any) -> Any:
-    """msgpack hook: numpy scalars as Python numbers; anything else as its repr, for the controller to refuse."""
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    return repr(value)
-
-
-_REQUEST = msgspec.msgpack.Encoder(enc_hook=_plain)
-
-
-def _request(*args: Any) -> bytes:
-    """A read's arguments as one msgpack blob (see :meth:`_Controller.sample`)."""
-    return _REQUEST.encode(args)
 
 
 def unit_for(group_uid: str, k: int) -> int:
@@ -133,21 +119,6 @@ class _StorageUnit:
         return self.index
 
 
-def _ok(value: Any = None) -> tuple:
-    return ("ok", value)
-
-
-def _guard(fn):
-    """Run ``fn`` and return ("ok", value) or ("err", exception): errors travel as values."""
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return _ok(fn(*args, **kwargs))
-        except Exception as exc:  # re-raised by the client with its original type
-            return ("err", exc)
-    return wrapper
-
-
 class _Controller:
     """Metadata, tables and blocking logic; payloads are ``ObjectRef`` s owned by the units."""
 
@@ -156,26 +127,42 @@ class _Controller:
         self.units = units
         #: group uid -> producer of its payload, for payloads a producer owns (pruned as groups leave)
         self.producer_of: dict[str, str] = {}
-        #: batches handed out as ref bytes (:mod:`.ref_wire`): token -> (time handed, the refs kept alive until
-        #: the reader acknowledges having read them)
-        self.reading: dict[int, tuple[float, list]] = {}
-        self._reading_lock = threading.Lock()
-        self._next_token = 0
-        self.read_hold_s = float(read_hold_s)
+        #: batches handed out as ref bytes (:mod:`.ref_wire`), held until the reader acknowledges them
+        self.reading = ReadHolds(read_hold_s)
+        #: payloads registered as bytes (producer-owned): who still needs each (:mod:`.wire_ledger`)
+        self.ledger = WireLedger(forget_after_s=read_hold_s)
+        for t in self.core.tables.values():
+            t.on_remove = self.ledger.on_remove
 
     def assert_healthy(self) -> int:
         ray.get([u.assert_healthy.remote() for u in self.units], timeout=60)
         return len(self.units)
 
-    @_guard
+    @guard
     def put(self, metas_msgpack: bytes, wrapped_ref: list, spec: dict, row_nbytes: int,
-            timeout: float | None, producer: str | None = None) -> int:
+            timeout: float | None, producer: str | None = None, holder: str | None = None) -> int:
+        """One registration. ``wrapped_ref``: ``[payload]`` – arrays (inline), a ref (a storage unit's), ref bytes
+        (:mod:`.ref_wire`: producer-owned, kept alive by ``holder``, the registering process, until
+        :meth:`put_many` / :meth:`released` hand its id back), or None (no successful row)."""
         metas = _METAS.decode(metas_msgpack)
         spec_ = {k: FieldSpec.from_list(v) for k, v in spec.items()}
         payload = wrapped_ref[0]
         if isinstance(payload, dict):  # inline: own a copy, not a view of the call's buffer
             payload = {k: np.array(v, copy=True) for k, v in payload.items()}
-        n = self.core.put(metas, payload, spec_, row_nbytes, timeout=timeout)
+        rows = 0
+        if is_wire(payload):
+            if holder is None:
+                raise ValueError("put rejected: a payload registered as ref bytes needs its `holder` process")
+            rows = sum(1 for m in metas if m.status is SampleStatus.SUCCESS)
+            with self.core.cond:  # counted before it is stored: a group may leave within the put (e.g. stale)
+                self.ledger.add(payload, rows, holder, time.monotonic())
+        try:
+            n = self.core.put(metas, payload, spec_, row_nbytes, timeout=timeout)
+        except BaseException:
+            if rows:
+                with self.core.cond:
+                    self.ledger.discard(payload, rows)
+            raise
         if producer is not None and payload is not None and not isinstance(payload, dict):
             self.producer_of.update((m.tags.group_uid, producer) for m in metas)
             if len(self.producer_of) > 2 * self.core.size + 1024:  # forget groups that left
@@ -184,12 +171,25 @@ class _Controller:
                 self.producer_of = {g: p for g, p in self.producer_of.items() if g in held}
         return n
 
-    @_guard
-    def put_many(self, items: list[tuple]) -> list[tuple]:
-        """Several :meth:`put` s in one call, in order: one ("ok", n) / ("err", exc) per item."""
-        return [self.put(*item) for item in items]
+    @guard
+    def put_many(self, items: list[tuple], holder: str | None = None) -> tuple[list[tuple], list[bytes]]:
+        """Several :meth:`put` s of process ``holder`` in one call, in order: (one ("ok", n) / ("err", exc) per
+        item, the ids of the payloads ``holder`` registered as bytes that nobody needs any more)."""
+        results = [self.put(*item, holder) for item in items]
+        return results, self._released(holder)
 
-    @_guard
+    def _released(self, holder: str | None) -> list[bytes]:
+        if holder is None:
+            return []
+        with self.core.cond:
+            return self.ledger.take(holder, time.monotonic())
+
+    @guard
+    def released(self, holder: str) -> list[bytes]:
+        """The idle poll of a process holding payload refs (:mod:`.held_refs`): the ids it may drop."""
+        return self._released(holder)
+
+    @guard
     def drop_producer(self, producer: str) -> int:
         """``producer`` died: its groups' payloads are gone; returns how many groups will be generated again."""
         uids = [g for g, p in self.producer_of.items() if p == producer]
@@ -197,62 +197,64 @@ class _Controller:
             del self.producer_of[g]
         return self.core.lose_groups(uids, LOST_REASON)
 
-    @_guard
+    @guard
     def lose_taken(self, metas_msgpack: bytes) -> int:
         return self.core.lose_taken(_METAS.decode(metas_msgpack), LOST_REASON)
 
     def _hand_out(self, metas, parts, info) -> tuple:
-        """A sample reply: refs go out as bytes (:mod:`.ref_wire`) and are kept here under a token until the
-        reader acknowledges it (``acks`` of a later call, or :meth:`release`) – no borrower protocol per reply."""
-        refs = [p for p, _ in parts if not isinstance(p, dict)]
+        """A read's reply, built with ``core.cond`` held (the draw and the hold are one step for the ledger):
+        refs go out as bytes (:mod:`.ref_wire`) and are kept here under a token until the reader acknowledges it
+        (``acks`` of a later call, or :meth:`release`) – no borrower protocol per reply; payloads registered as
+        bytes are held in the ledger until then."""
+        refs = [p for p, _ in parts if not isinstance(p, (dict, tuple))]
+        oids = [p[1] for p, _ in parts if is_wire(p)]
         token = None
-        if refs:
-            with self._reading_lock:
-                token = self._next_token
-                self._next_token += 1
-                self.reading[token] = (time.monotonic(), refs)
-            parts = [(p if isinstance(p, dict) else to_wire(p), rows) for p, rows in parts]
+        if refs or oids:
+            self.ledger.hold(oids)
+            token = self.reading.open(refs, oids, time.monotonic())
+            parts = [(p if isinstance(p, (dict, tuple)) else to_wire(p), rows) for p, rows in parts]
         return _ENC.encode(metas), parts, info, token
 
     def _release(self, acks) -> None:
-        now = time.monotonic()
-        with self._reading_lock:
-            for token in acks or ():
-                self.reading.pop(token, None)
-            if self.reading and now - next(iter(self.reading.values()))[0] > self.read_hold_s:  # oldest first
-                self.reading = {t: v for t, v in self.reading.items() if now - v[0] <= self.read_hold_s}
+        oids = self.reading.close(acks, time.monotonic())
+        if oids:
+            with self.core.cond:
+                self.ledger.unhold(oids)
 
-    @_guard
+    @guard
     def release(self, acks: list[int]) -> int:
         """The reader has read the batches ``acks``: their refs may go. Returns the batches still held."""
         self._release(acks)
         return len(self.reading)
 
-    # The three reads take their arguments as one msgpack blob: Ray serialises each argument of a call on its own,
-    # ~0.1 ms apiece on 2 cores, and these calls run once per batch.
-    @_guard
+    # The reads take their arguments as one msgpack blob (:func:`.rpc.request`).
+    @guard
     def sample(self, request: bytes):
         """``request``: msgpack ``[batch_size, learner_version, timeout, source, acks]``."""
         batch_size, learner_version, timeout, source, acks = msgspec.msgpack.decode(request)
         self._release(acks)  # first: a read that fails or times out still acknowledges the earlier ones
-        return self._hand_out(*self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
-                                                source=source))
+        with self.core.cond:  # re-entrant; its wait inside releases it
+            return self._hand_out(*self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
+                                                    source=source))
 
-    @_guard
+    @guard
     def sample_tickets(self, request: bytes):
         """``request``: msgpack ``[below, learner_version, acks]``."""
         below, learner_version, acks = msgspec.msgpack.decode(request)
         self._release(acks)
-        return self._hand_out(*self.core.sample_tickets(below, learner_version=learner_version))
+        with self.core.cond:
+            return self._hand_out(*self.core.sample_tickets(below, learner_version=learner_version))
 
-    @_guard
+    @guard
     def sample_offline(self, request: bytes):
         """``request``: msgpack ``[num_online, learner_version, ratio, acks]``."""
         num_online, learner_version, ratio, acks = msgspec.msgpack.decode(request)
         self._release(acks)
-        return self._hand_out(*self.core.sample_offline(num_online, learner_version=learner_version, ratio=ratio))
+        with self.core.cond:
+            return self._hand_out(*self.core.sample_offline(num_online, learner_version=learner_version,
+                                                            ratio=ratio))
 
-    @_guard
+    @guard
     def load_offline(self, run_dir: str):
         from omnirl_async.buffer.offline_table import fill_from_store
         counter = iter(range(1 << 62))
@@ -260,12 +262,15 @@ class _Controller:
         return fill_from_store(self.core, run_dir, wrap=lambda arrays: ray.get(
             units[next(counter) % len(units)].store.remote(arrays))[0])
 
-    @_guard
-    def get(self, keys: list[str]):
-        metas, parts = self.core.get(keys)
-        return _ENC.encode(metas), parts
+    @guard
+    def get(self, request: bytes):
+        """Rows by key, as a read: ``request`` msgpack ``[keys, acks]``; ``(metas, parts, {}, token)``."""
+        keys, acks = msgspec.msgpack.decode(request)
+        self._release(acks)
+        with self.core.cond:
+            return self._hand_out(*self.core.get(keys), {})
 
-    @_guard
+    @guard
     def call(self, name: str, *args, **kwargs):
         """Small queries: size, ready, refills, priorities, list_keys, clear, metrics."""
         core = self.core
@@ -286,7 +291,7 @@ class _Controller:
             return core.metrics_dict()
         raise ValueError(f"unknown controller call {name!r}")
 
-    @_guard
+    @guard
     def snapshot(self, path: str) -> int:
         """Write a snapshot; groups whose payload died with its producer are dropped (and regenerated) first.
         Returns the number of such groups."""
@@ -299,7 +304,7 @@ class _Controller:
                 if isinstance(p, dict):
                     return p
                 try:
-                    return ray.get(p)
+                    return ray.get(from_wire(p) if is_wire(p) else p)
                 except ray.exceptions.ObjectLostError:
                     lost.append(p)
                     raise
@@ -318,7 +323,7 @@ class _Controller:
                 self.core.lose_groups(sorted(uids), LOST_REASON)
                 lost_total += len(uids)
 
-    @_guard
+    @guard
     def restore(self, path: str) -> None:
         from omnirl_async.buffer.persistence import read_snapshot
         counter = iter(range(1 << 62))
@@ -337,13 +342,15 @@ class RayReplayBuffer(ReplayBuffer):
     """Client of the transfer queue; see the module docstring. Build with :meth:`create`."""
 
     def __init__(self, controller, units: list, default_timeout: float, producer_owned: bool = True,
-                 inline_max_bytes: int = 64 * 1024, max_pending_puts: int = 8, *, owner: bool = False) -> None:
+                 inline_max_bytes: int = 64 * 1024, max_pending_puts: int = 8, put_linger_s: float = 0.0, *,
+                 owner: bool = False) -> None:
         self._controller = controller
         self._units = list(units)
         self._default_timeout = default_timeout
         self._producer_owned = producer_owned
         self._inline_max_bytes = int(inline_max_bytes)
         self._max_pending_puts = int(max_pending_puts)
+        self._put_linger_s = float(put_linger_s)
         self._sender: PutSender | None = None  # made by the first put of this process (it is not pickled)
         self._sender_lock = threading.Lock()
         self._owner = owner
@@ -368,14 +375,15 @@ class RayReplayBuffer(ReplayBuffer):
                  for i in range(spec.transport.num_data_storage_units)]
         controller = TransferQueueController.options(**(controller_options or {})).remote(spec, seed, units)
         buf = cls(controller, units, float(spec.capacity.put_timeout_s), spec.transport.producer_owned_payloads,
-                  spec.transport.inline_max_bytes, spec.transport.max_pending_puts, owner=True)
+                  spec.transport.inline_max_bytes, spec.transport.max_pending_puts, spec.transport.put_linger_s,
+                  owner=True)
         ray.get(controller.assert_healthy.remote(), timeout=120)
         return buf
 
     def __reduce__(self):
         # Pickles to handles: a copy in another process is a client, never the owner (it won't kill actors).
         return (RayReplayBuffer, (self._controller, self._units, self._default_timeout, self._producer_owned,
-                                  self._inline_max_bytes, self._max_pending_puts))
+                                  self._inline_max_bytes, self._max_pending_puts, self._put_linger_s))
 
     # ------------------------------------------------------------------ calls
     def _wait(self, ref, timeout: float | None):
@@ -390,11 +398,22 @@ class RayReplayBuffer(ReplayBuffer):
         return self._wait(self._controller.call.remote(name, *args), 0.0)
 
     def _send_puts(self, items: list[tuple], timeout: float) -> list[tuple]:
-        """The sender's controller call: a batch of registrations; raises if the call itself fails."""
-        status, value = ray.get(self._controller.put_many.remote(items), timeout=timeout + RPC_GRACE_S)
-        if status == "err":
-            raise value
-        return value
+        """The sender's controller call: a batch of registrations; raises if the call itself fails. The payloads
+        this process registered as bytes and nobody needs any more come back with it (:mod:`.held_refs`); those
+        of refused registrations go at once."""
+        keeper = held_refs.keeper_for(self._controller)
+        try:
+            status, value = ray.get(self._controller.put_many.remote(items, keeper.holder),
+                                    timeout=timeout + RPC_GRACE_S)
+            if status == "err":
+                raise value
+        except BaseException:  # stored or not, this process will not hear of them again: a read finds them lost
+            keeper.drop(item[1][0][1] for item in items if is_wire(item[1][0]))
+            raise
+        results, released = value
+        keeper.delivered(released)
+        keeper.drop(item[1][0][1] for item, (st, _) in zip(items, results) if st == "err" and is_wire(item[1][0]))
+        return results
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until this process's puts are admitted by the controller; raises a failed put's error."""
@@ -420,18 +439,21 @@ class RayReplayBuffer(ReplayBuffer):
                 # a copy: the caller may reuse its arrays before the background sender serialises them
                 ref = {k: np.array(v, copy=True) for k, v in payload.items()} if self._max_pending_puts else payload
             elif self._producer_owned:  # one copy; dies with this process (then regenerated, see above)
-                ref, owner = ray.put(payload), producer
+                # registered as bytes: this process keeps the ref until the controller releases it
+                ref, owner = held_refs.keeper_for(self._controller).keep(ray.put(payload)), producer
             else:
                 unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
                 ref = ray.get(unit.store.remote(payload), timeout=self._default_timeout + RPC_GRACE_S)[0]
         args = (_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()}, row_nbytes, timeout, owner)
         if self._max_pending_puts == 0:  # each put waits for the controller
-            self._wait(self._controller.put.remote(*args), timeout)
+            status, value = self._send_puts([args], self._default_timeout if timeout is None else float(timeout))[0]
+            if status == "err":
+                raise value
             return
         if self._sender is None:
             with self._sender_lock:
                 if self._sender is None:
-                    self._sender = PutSender(self._send_puts, self._max_pending_puts)
+                    self._sender = PutSender(self._send_puts, self._max_pending_puts, self._put_linger_s)
         t = self._default_timeout if timeout is None else float(timeout)
         self._sender.submit(PendingPut(args, metas[0].tags.group_uid, t), t)
 
@@ -447,7 +469,7 @@ class RayReplayBuffer(ReplayBuffer):
     def sample_async(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
                      source: SampleSource | str | None = None) -> SampleRequest:
         self.flush()  # this client's own puts first
-        ref = self._controller.sample.remote(_request(
+        ref = self._controller.sample.remote(request(
             batch_size, learner_version, timeout, None if source is None else SampleSource(source).value,
             self._take_acks()))
         return SampleRequest(lambda: self._batch(*self._wait(ref, timeout)))
@@ -455,12 +477,12 @@ class RayReplayBuffer(ReplayBuffer):
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
         self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_tickets.remote(
-            _request(below, learner_version, self._take_acks())), 0.0))
+            request(below, learner_version, self._take_acks())), 0.0))
 
     def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None) -> SampledBatch:
         self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_offline.remote(
-            _request(num_online, learner_version, ratio, self._take_acks())), 0.0))
+            request(num_online, learner_version, ratio, self._take_acks())), 0.0))
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:
         self.flush()  # this client's own puts first
@@ -516,9 +538,12 @@ class RayReplayBuffer(ReplayBuffer):
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
         self.flush()  # this client's own puts first
-        raw, parts = self._wait(self._controller.get.remote(list(keys)), 0.0)
+        raw, parts, _, token = self._wait(self._controller.get.remote(request(list(keys), self._take_acks())), 0.0)
         metas = _METAS.decode(raw)
-        kept, local, _ = self._fetch(metas, parts, {})
+        try:
+            kept, local, _ = self._fetch(metas, parts, {})
+        finally:
+            self._ack(token)
         if len(kept) < len(metas):
             gone = sorted({m.key for m in metas} - {m.key for m in kept})
             raise KeyError(f"`keys`: the payload of {gone[:5]} died with its producer; their groups left the "
@@ -578,6 +603,7 @@ class RayReplayBuffer(ReplayBuffer):
 
     def _close_actors(self) -> None:
         if self._owner and self._controller is not None:
+            held_refs.forget(self._controller)
             for a in [self._controller, *self._units]:
                 try:
                     ray.kill(a)

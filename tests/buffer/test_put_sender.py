@@ -134,3 +134,34 @@ def test_close_sends_what_is_queued_then_refuses_new_puts():
 def test_window_below_one_is_refused():
     with pytest.raises(ValueError, match="window >= 1"):
         PutSender(Controller().send, window=0)
+
+
+@pytest.mark.parametrize("linger_s, batches", [(0.0, [[0], [1], [2]]), (0.5, [[0, 1, 2]])])
+def test_the_linger_lets_puts_made_meanwhile_share_one_call(linger_s, batches):
+    c = Controller()
+    s = PutSender(c.send, window=8, linger_s=linger_s)
+    for i in range(3):
+        s.submit(entry(i), 5.0)
+        time.sleep(0.05)  # a producer putting every 50 ms: alone without a linger, together within 0.5 s
+    s.flush(5.0)
+    assert c.batches == batches and c.admitted == [0, 1, 2]
+
+
+def test_a_flush_or_a_full_window_ends_the_linger_at_once():
+    c = Controller()
+    s = PutSender(c.send, window=2, linger_s=30.0)
+    s.submit(entry(0), 5.0)
+    t = time.monotonic()
+    s.flush(5.0)  # what a rollout worker does before it reports its groups: no 30 s wait
+    assert time.monotonic() - t < 2.0 and c.batches == [[0]]
+    s.submit(entry(1), 5.0)
+    s.submit(entry(2), 5.0)  # the window (2) is full: sent without waiting for the linger
+    t = time.monotonic()
+    while len(c.admitted) < 3 and time.monotonic() - t < 5.0:
+        time.sleep(0.01)
+    assert c.batches == [[0], [1, 2]] and time.monotonic() - t < 2.0
+
+
+def test_a_negative_linger_is_refused():
+    with pytest.raises(ValueError, match="linger_s >= 0"):
+        PutSender(Controller().send, window=1, linger_s=-1.0)

@@ -280,7 +280,8 @@ def test_max_pending_puts_decides_where_a_full_buffer_holds_a_producer(ray_sessi
     # capacity for 2 groups, nobody samples: with 0 the third put itself times out in the controller; with 1
     # the third put returns (handed to the sender, which waits in the controller) and the fourth waits for room
     buf = make_replay_buffer(buffer_cfg(max_size=64), sampler_cfg(),
-                             tq_cfg(total_storage_size=4, put_timeout_s=1.0, max_pending_puts=max_pending_puts),
+                             tq_cfg(total_storage_size=4, put_timeout_s=1.0, max_pending_puts=max_pending_puts,
+                                    put_linger_s=0.005 if max_pending_puts else 0.0),
                              use_ray=True, seed=0)
     try:
         buf.put(*make_group("a", 2))
@@ -388,3 +389,20 @@ def test_a_read_that_times_out_still_acknowledges_the_batches_read_before(make_b
     with pytest.raises(TimeoutError):
         buf.sample(4, learner_version=0, timeout=0.2)  # nothing left: times out ...
     assert _held(buf) == 0  # ... and the batch read before is released all the same
+
+
+@pytest.mark.slow  # its own controller and units (seconds on 2 cores)
+@pytest.mark.parametrize("linger_s, calls", [(0.0, 2), (0.5, 1)])
+def test_put_linger_s_reaches_every_copy_of_the_client_and_batches_registrations(ray_session, linger_s, calls):
+    import pickle
+    buf = make_replay_buffer(buffer_cfg(max_size=64), sampler_cfg(), tq_cfg(put_linger_s=linger_s), use_ray=True)
+    try:
+        copy = pickle.loads(pickle.dumps(buf))  # what a rollout worker holds
+        copy.put(*make_group("a", 2, dim=INLINE_BYTES // 4))
+        time.sleep(0.1)
+        copy.put(*make_group("b", 2, dim=INLINE_BYTES // 4))
+        copy.flush(timeout=30)
+        assert (copy._sender.calls, copy._sender.sent) == (calls, 2)
+        check_rows(buf.sample(4, learner_version=0, timeout=30))
+    finally:
+        buf.close()

@@ -44,7 +44,8 @@ KEYS: dict[str, tuple[str, object]] = {
     "transport.num_data_storage_units": ("transfer_queue.num_data_storage_units", 3),
     "transport.producer_owned_payloads": ("transfer_queue.producer_owned_payloads", False),
     "transport.inline_max_bytes": ("transfer_queue.inline_max_bytes", 0),
-    "transport.max_pending_puts": ("transfer_queue.max_pending_puts", 0),
+    "transport.max_pending_puts": ("transfer_queue.max_pending_puts", 2),
+    "transport.put_linger_s": ("transfer_queue.put_linger_s", 0.0),
     "offline_mix_ratio": ("buffer.offline_mix_ratio", 0.25),
 }
 
@@ -180,6 +181,11 @@ BAD = [
     ({"transfer_queue.producer_owned_payloads": "yes"}, r"`transfer_queue.producer_owned_payloads` = 'yes'"),
     ({"transfer_queue.inline_max_bytes": -1}, r"`transfer_queue.inline_max_bytes` = -1"),
     ({"transfer_queue.max_pending_puts": -1}, r"`transfer_queue.max_pending_puts` = -1: must be an integer >= 0"),
+    ({"transfer_queue.put_linger_s": -0.1}, r"`transfer_queue.put_linger_s` = -0.1: must be a number of seconds"),
+    ({"transfer_queue.put_linger_s": "5ms"}, r"`transfer_queue.put_linger_s` = '5ms'"),
+    ({"transfer_queue.max_pending_puts": 0},
+     r"`transfer_queue.put_linger_s` = 0.005 has no effect with `transfer_queue.max_pending_puts` = 0 .* set "
+     r"`transfer_queue.put_linger_s=0`"),
 ]
 
 
