@@ -453,7 +453,7 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
             # a batch of 8 samples put one per group: its rows come from 8 payloads, the batch is one array
             singles = [({"x": np.ones((1, nbytes // 4), np.float32), "id": np.zeros((1, 1), np.int64)}, [0])
                        for _ in range(8)]
-            for k in range(m):
+            for k in range(m):  # raw first, alone: a ref it drops is cleaned up with its owner in the background
                 t = time.perf_counter()
                 refs = ray.get(producer.hand.remote())[0]
                 times["raw call"].append(time.perf_counter() - t)
@@ -461,6 +461,8 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
                 ray.get(refs)
                 times["raw get"].append(time.perf_counter() - t)
                 del refs
+            time.sleep(0.5)
+            for k in range(m):
                 # the client's sample() in its two halves: the controller call, then the consumer's ray.get
                 t = time.perf_counter()
                 _metas, parts, _info, token = buf._wait(
