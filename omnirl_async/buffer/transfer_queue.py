@@ -455,7 +455,12 @@ class RayReplayBuffer(ReplayBuffer):
                 if self._sender is None:
                     self._sender = PutSender(self._send_puts, self._max_pending_puts, self._put_linger_s)
         t = self._default_timeout if timeout is None else float(timeout)
-        self._sender.submit(PendingPut(args, metas[0].tags.group_uid, t), t)
+        try:
+            self._sender.submit(PendingPut(args, metas[0].tags.group_uid, t), t)
+        except BaseException:  # not registered (no room, or an earlier put's error): its ref goes now
+            if is_wire(ref):
+                held_refs.keeper_for(self._controller).drop([ref[1]])
+            raise
 
     def drop_producer(self, producer: str) -> int:
         self.flush()  # this client's own puts first

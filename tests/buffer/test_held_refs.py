@@ -82,6 +82,16 @@ class Producer:
             self.buf.put(*make_group(f"{prefix}{g}", 4, dim=DIM), timeout=60, producer="w0")
         self.buf.flush(timeout=60)
 
+    def put_after_a_refused_one(self) -> str:
+        """a0 again (refused in the background), then a1, whose put raises that earlier error unregistered."""
+        self.buf.put(*make_group("a0", 4, dim=DIM), timeout=60, producer="w0")
+        time.sleep(1.0)  # the sender has sent it and holds the controller's error
+        try:
+            self.buf.put(*make_group("a1", 4, dim=DIM), timeout=60, producer="w0")
+        except ValueError as exc:
+            return str(exc)
+        return "no error"
+
     def no_polls(self) -> None:
         held_refs.POLL_S = 3600.0  # this process then hears of releases only in registration replies
 
@@ -171,3 +181,12 @@ def test_a_producer_lets_its_refs_go_when_the_controller_is_gone(made):
     ray.get(p.put.remote("a", 2), timeout=60)
     ray.kill(buf._controller)
     wait_held(p, 0)
+
+
+@pytest.mark.slow  # a Ray session, producer actors, seconds of polling
+def test_a_put_that_raises_an_earlier_puts_error_lets_its_own_ref_go(made):
+    buf, p = made
+    ray.get(p.put.remote("a", 1), timeout=60)
+    assert "key `a0/0` is already in the buffer" in ray.get(p.put_after_a_refused_one.remote(), timeout=60)
+    assert ray.get(p.held.remote())[0] == 1  # a0's: neither the refused copy's nor a1's (never registered)
+    assert buf.list_keys() == [f"a0/{i}" for i in range(4)]
