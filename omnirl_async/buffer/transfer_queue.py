@@ -288,7 +288,11 @@ class _Controller:
         if name == "clear":
             return core.clear()
         if name == "metrics":
-            return core.metrics_dict()
+            out = core.metrics_dict()
+            with core.cond:  # what keeps payloads alive: a leak of either shows here first
+                out["buffer/payloads_held_by_producers"] = float(len(self.ledger))
+                out["buffer/reads_unacknowledged"] = float(len(self.reading))
+            return out
         raise ValueError(f"unknown controller call {name!r}")
 
     @guard

@@ -136,6 +136,8 @@ def test_a_producer_keeps_each_ref_until_its_group_was_read_and_acknowledged(mad
     check_rows(buf.sample(4, learner_version=0, timeout=30))  # drawn, out of the table; read, not acknowledged
     time.sleep(2.5)  # the producer's idle polls hear of nothing to drop
     assert ray.get(p.held.remote())[0] == 3
+    m = buf.metrics()
+    assert (m["buffer/payloads_held_by_producers"], m["buffer/reads_unacknowledged"]) == (3, 1)
     check_rows(buf.sample(4, learner_version=0, timeout=30))  # acknowledges the first
     _, polls = wait_held(p, 2)
     assert polls >= 1  # the producer stopped putting: it learnt by asking
@@ -144,6 +146,8 @@ def test_a_producer_keeps_each_ref_until_its_group_was_read_and_acknowledged(mad
     check_rows(buf.sample(4, learner_version=0, timeout=30))
     ack(buf)
     wait_held(p, 0)
+    m = buf.metrics()
+    assert (m["buffer/payloads_held_by_producers"], m["buffer/reads_unacknowledged"]) == (0, 0)
 
 
 @pytest.mark.slow  # a Ray session, producer actors, seconds of polling
