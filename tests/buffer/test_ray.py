@@ -357,6 +357,7 @@ def test_the_controller_keeps_a_batchs_refs_until_the_reader_has_read_it(make_bu
     assert _held(buf) == 0
 
 
+@pytest.mark.slow  # waits for the hold to expire and Ray to free the group (~5 s)
 def test_a_batch_read_after_its_hold_expired_is_lost_and_generated_again(make_buf):
     buf = make_buf(read_hold_s=0.5, groups=1, prefix="late")
     request = buf.sample_async(4, learner_version=0, timeout=30)
