@@ -275,6 +275,7 @@ def test_puts_go_out_in_batches_in_order_and_a_sample_sees_them(rbuf):
     assert sender.sent - sent == 30 and sender.calls - calls < 30  # several registrations per controller call
 
 
+@pytest.mark.slow  # two buffers of their own, timeouts waited out (~5 s)
 @pytest.mark.parametrize("max_pending_puts", [0, 1])
 def test_max_pending_puts_decides_where_a_full_buffer_holds_a_producer(ray_session, max_pending_puts):
     # capacity for 2 groups, nobody samples: with 0 the third put itself times out in the controller; with 1
