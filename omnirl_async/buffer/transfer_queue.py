@@ -412,12 +412,18 @@ class RayReplayBuffer(ReplayBuffer):
             if status == "err":
                 raise value
         except BaseException:  # stored or not, this process will not hear of them again: a read finds them lost
-            keeper.drop(item[1][0][1] for item in items if is_wire(item[1][0]))
+            self._unregistered(items)
             raise
         results, released = value
         keeper.delivered(released)
-        keeper.drop(item[1][0][1] for item, (st, _) in zip(items, results) if st == "err" and is_wire(item[1][0]))
+        self._unregistered([item for item, (st, _) in zip(items, results) if st == "err"])
         return results
+
+    def _unregistered(self, items: list[tuple]) -> None:
+        """These registrations were refused or never made: their payload refs (if registered as bytes) go now."""
+        oids = [item[1][0][1] for item in items if is_wire(item[1][0])]
+        if oids:
+            held_refs.keeper_for(self._controller).drop(oids)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until this process's puts are admitted by the controller; raises a failed put's error."""
@@ -461,9 +467,8 @@ class RayReplayBuffer(ReplayBuffer):
         t = self._default_timeout if timeout is None else float(timeout)
         try:
             self._sender.submit(PendingPut(args, metas[0].tags.group_uid, t), t)
-        except BaseException:  # not registered (no room, or an earlier put's error): its ref goes now
-            if is_wire(ref):
-                held_refs.keeper_for(self._controller).drop([ref[1]])
+        except BaseException:  # not registered (no room, or an earlier put's error)
+            self._unregistered([args])
             raise
 
     def drop_producer(self, producer: str) -> int:
