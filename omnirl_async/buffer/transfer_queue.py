@@ -80,7 +80,7 @@ from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.local import check_field_names, prepare_put
 from omnirl_async.buffer.put_sender import PendingPut, PutSender
 from omnirl_async.buffer.ref_wire import check_supported, from_wire, is_wire, to_wire
-from omnirl_async.buffer.rpc import guard, request
+from omnirl_async.buffer.rpc import answer, guard, pack, packed, request, unpack
 from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.buffer.wire_ledger import ReadHolds, WireLedger
@@ -178,6 +178,19 @@ class _Controller:
         results = [self.put(*item, holder) for item in items]
         return results, self._released(holder)
 
+    @packed
+    def put_packed(self, blob: bytes):
+        """:meth:`put_many` with its arguments as one blob (:func:`.rpc.pack`: ``[items, holder]``, payloads ref
+        bytes, inline arrays or None – not ObjectRefs). All admitted: the blob ``[[n per item], released ids]``;
+        else ("ok", (results, released)) as :meth:`put_many` returns it."""
+        items, holder = unpack(blob)
+        results = [self.put(metas, [tuple(p) if isinstance(p, list) else p], spec, row_nbytes, timeout, owner,
+                            holder) for metas, (p,), spec, row_nbytes, timeout, owner in items]
+        released = self._released(holder)
+        if all(st == "ok" for st, _ in results):
+            return [[n for _, n in results], released]
+        return ("ok", (results, released))
+
     def _released(self, holder: str | None) -> list[bytes]:
         if holder is None:
             return []
@@ -227,8 +240,8 @@ class _Controller:
         self._release(acks)
         return len(self.reading)
 
-    # The reads take their arguments as one msgpack blob (:func:`.rpc.request`).
-    @guard
+    # The reads take their arguments as one msgpack blob (:func:`.rpc.request`) and reply with one (:func:`.rpc.pack`).
+    @packed
     def sample(self, request: bytes):
         """``request``: msgpack ``[batch_size, learner_version, timeout, source, acks]``."""
         batch_size, learner_version, timeout, source, acks = msgspec.msgpack.decode(request)
@@ -237,7 +250,7 @@ class _Controller:
             return self._hand_out(*self.core.sample(batch_size, learner_version=learner_version, timeout=timeout,
                                                     source=source))
 
-    @guard
+    @packed
     def sample_tickets(self, request: bytes):
         """``request``: msgpack ``[below, learner_version, acks]``."""
         below, learner_version, acks = msgspec.msgpack.decode(request)
@@ -245,7 +258,7 @@ class _Controller:
         with self.core.cond:
             return self._hand_out(*self.core.sample_tickets(below, learner_version=learner_version))
 
-    @guard
+    @packed
     def sample_offline(self, request: bytes):
         """``request``: msgpack ``[num_online, learner_version, ratio, acks]``."""
         num_online, learner_version, ratio, acks = msgspec.msgpack.decode(request)
@@ -262,7 +275,7 @@ class _Controller:
         return fill_from_store(self.core, run_dir, wrap=lambda arrays: ray.get(
             units[next(counter) % len(units)].store.remote(arrays))[0])
 
-    @guard
+    @packed
     def get(self, request: bytes):
         """Rows by key, as a read: ``request`` msgpack ``[keys, acks]``; ``(metas, parts, {}, token)``."""
         keys, acks = msgspec.msgpack.decode(request)
@@ -392,10 +405,7 @@ class RayReplayBuffer(ReplayBuffer):
     # ------------------------------------------------------------------ calls
     def _wait(self, ref, timeout: float | None):
         t = self._default_timeout if timeout is None else float(timeout)
-        status, value = ray.get(ref, timeout=t + RPC_GRACE_S)
-        if status == "err":
-            raise value
-        return value
+        return answer(ray.get(ref, timeout=t + RPC_GRACE_S))
 
     def _call(self, name: str, *args):
         self.flush()
@@ -407,14 +417,15 @@ class RayReplayBuffer(ReplayBuffer):
         of refused registrations go at once."""
         keeper = held_refs.keeper_for(self._controller)
         try:
-            status, value = ray.get(self._controller.put_many.remote(items, keeper.holder),
-                                    timeout=timeout + RPC_GRACE_S)
-            if status == "err":
-                raise value
+            if any(isinstance(item[1][0], ray.ObjectRef) for item in items):  # a storage unit's ref: pickled
+                call = self._controller.put_many.remote(items, keeper.holder)
+            else:  # ref bytes, inline arrays, nothing: one blob
+                call = self._controller.put_packed.remote(pack([items, keeper.holder]))
+            results, released = answer(ray.get(call, timeout=timeout + RPC_GRACE_S))
         except BaseException:  # stored or not, this process will not hear of them again: a read finds them lost
             self._unregistered(items)
             raise
-        results, released = value
+        results = [("ok", r) if isinstance(r, int) else r for r in results]
         keeper.delivered(released)
         self._unregistered([item for item, (st, _) in zip(items, results) if st == "err"])
         return results
@@ -527,7 +538,7 @@ class RayReplayBuffer(ReplayBuffer):
         out of ``(metas, parts, info)`` and reported to the controller, which
         drops their groups and has those never trained generated again.
         """
-        parts = [(from_wire(p) if is_wire(p) else p, rows) for p, rows in parts]
+        parts = [(from_wire(tuple(p)) if isinstance(p, list) else p, rows) for p, rows in parts]  # lists: ref bytes
         refs = [p for p, _ in parts if not isinstance(p, dict)]
         try:
             got = iter(ray.get(refs, timeout=self._default_timeout + RPC_GRACE_S) if refs else [])
