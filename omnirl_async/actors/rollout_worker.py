@@ -269,7 +269,9 @@ class RolloutWorker:
         metas, fields, (gen_s, reward_s) = self._score_group(group)
         t0 = time.perf_counter()
         buffer.put(metas, fields, timeout=put_timeout, producer=worker_id)  # it may own the payload
-        buffer.flush(timeout=put_timeout)  # admitted before the lease is done: a death before here re-leases it
+        # admitted before the lease is done (a death before here re-leases it); waits out put_linger_s, so that
+        # groups this worker's other pool threads finish meanwhile share the controller call
+        buffer.flush(timeout=put_timeout, share=True)
         ray.get(dispatcher.complete.remote([group["lease"].lease_id]))
         with self._count_lock:
             self.counters["put_s"] += time.perf_counter() - t0

@@ -106,15 +106,18 @@ class ReplayBuffer(ABC):
         holds inserts back; never drops data to make room.
         """
 
-    def flush(self, timeout: float | None = None) -> None:
+    def flush(self, timeout: float | None = None, *, share: bool = False) -> None:
         """Wait until this process's puts are in the buffer; raises the error of one that failed.
 
         The Ray buffer sends puts in the background (``transfer_queue.max_pending_puts``):
         its ``put`` returns before the controller has admitted the group, and
         an error the controller raises comes back at this process's next call.
         Call ``flush`` before acting on a put (e.g. reporting the group's prompt
-        done). Every other call of a client flushes first. In-process buffers put
-        synchronously: nothing to do.
+        done). Every other call of a client flushes first. ``share=True`` waits
+        out ``transfer_queue.put_linger_s`` instead of sending at once, so that
+        puts other threads of this process make meanwhile share the controller
+        call (what the rollout workers and the sync trainer do). In-process
+        buffers put synchronously: nothing to do.
         """
 
     def drop_producer(self, producer: str) -> int:

@@ -9,8 +9,11 @@ and returns at once. The sender waits ``linger_s``
 others to share its call, and while one call is in flight the registrations
 that arrive queue up for the next: one controller call per *batch* of groups
 when the producer is fast (a worker putting the groups of a batch of prompts
-back to back), one per group when it is slow. A flush, a full window or
-closing cuts the wait short, so nothing that waits on a put waits for it.
+back to back), one per group when it is slow. A full window or closing cuts
+the wait short, and so does a :meth:`PutSender.flush` unless it is a sharing
+flush (``share=True``): that one waits for the linger to run out, so puts of
+other threads of the process that arrive meanwhile share the call (a rollout
+worker's pool threads finishing groups together, the sync trainer's shards).
 
 What a producer may rely on:
 
@@ -106,12 +109,16 @@ class PutSender:
                 self._thread.start()
             self._cond.notify_all()
 
-    def flush(self, timeout: float) -> None:
-        """Wait until every queued put is admitted; raises the first error met (a note counts the others)."""
+    def flush(self, timeout: float, *, share: bool = False) -> None:
+        """Wait until every queued put is admitted; raises the first error met (a note counts the others).
+
+        ``share=False`` ends a linger at once; ``share=True`` lets it run out (up to ``linger_s`` more), so that
+        puts arriving meanwhile go in the same call."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            self._flushing += 1
-            self._cond.notify_all()  # a lingering sender sends now
+            cut = 0 if share else 1
+            self._flushing += cut
+            self._cond.notify_all()  # a lingering sender sends now (unless sharing)
             try:
                 while self._queue or self._sending:
                     left = deadline - time.monotonic()
@@ -123,7 +130,7 @@ class PutSender:
                     self._cond.wait(min(left, 1.0))
                 self._raise_error()
             finally:
-                self._flushing -= 1
+                self._flushing -= cut
 
     def close(self) -> None:
         """Stop the thread after what is queued has been sent (no wait here); later submits are refused."""

@@ -133,6 +133,7 @@ class _Controller:
         self.ledger = WireLedger(forget_after_s=read_hold_s)
         for t in self.core.tables.values():
             t.on_remove = self.ledger.on_remove
+        self.put_calls = 0  # registration calls received (`buffer/put_calls`)
 
     def assert_healthy(self) -> int:
         ray.get([u.assert_healthy.remote() for u in self.units], timeout=60)
@@ -176,7 +177,7 @@ class _Controller:
         """Several :meth:`put` s of process ``holder`` in one call, in order: (one ("ok", n) / ("err", exc) per
         item, the ids of the payloads ``holder`` registered as bytes that nobody needs any more)."""
         results = [self.put(*item, holder) for item in items]
-        return results, self._released(holder)
+        return results, self._released(holder, call=True)
 
     @packed
     def put_packed(self, blob: bytes):
@@ -186,16 +187,16 @@ class _Controller:
         items, holder = unpack(blob)
         results = [self.put(metas, [tuple(p) if isinstance(p, list) else p], spec, row_nbytes, timeout, owner,
                             holder) for metas, (p,), spec, row_nbytes, timeout, owner in items]
-        released = self._released(holder)
+        released = self._released(holder, call=True)
         if all(st == "ok" for st, _ in results):
             return [[n for _, n in results], released]
         return ("ok", (results, released))
 
-    def _released(self, holder: str | None) -> list[bytes]:
-        if holder is None:
-            return []
+    def _released(self, holder: str | None, *, call: bool = False) -> list[bytes]:
+        """What ``holder`` may drop; ``call``: the end of a registration call (counted: ``buffer/put_calls``)."""
         with self.core.cond:
-            return self.ledger.take(holder, time.monotonic())
+            self.put_calls += call
+            return [] if holder is None else self.ledger.take(holder, time.monotonic())
 
     @guard
     def released(self, holder: str) -> list[bytes]:
@@ -305,6 +306,7 @@ class _Controller:
             with core.cond:  # what keeps payloads alive: a leak of either shows here first
                 out["buffer/payloads_held_by_producers"] = float(len(self.ledger))
                 out["buffer/reads_unacknowledged"] = float(len(self.reading))
+                out["buffer/put_calls"] = float(self.put_calls)  # registration calls (put_linger_s batches them)
             return out
         raise ValueError(f"unknown controller call {name!r}")
 
@@ -436,10 +438,12 @@ class RayReplayBuffer(ReplayBuffer):
         if oids:
             held_refs.keeper_for(self._controller).drop(oids)
 
-    def flush(self, timeout: float | None = None) -> None:
-        """Wait until this process's puts are admitted by the controller; raises a failed put's error."""
+    def flush(self, timeout: float | None = None, *, share: bool = False) -> None:
+        """Wait until this process's puts are admitted by the controller; raises a failed put's error.
+        ``share``: let ``put_linger_s`` run out first (puts of other threads meanwhile share the call)."""
         if self._sender is not None:
-            self._sender.flush(self._default_timeout + RPC_GRACE_S if timeout is None else float(timeout))
+            self._sender.flush(self._default_timeout + RPC_GRACE_S if timeout is None else float(timeout),
+                               share=share)
 
     @property
     def pending_puts(self) -> int:

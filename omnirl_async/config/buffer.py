@@ -141,5 +141,7 @@ class TransferQueueConfig:
                                 "a put beyond that waits. Errors come back at the next buffer call; rollout workers "
                                 "flush before reporting a group done. 0 = every put waits for the controller.", ge=0)
     put_linger_s: float = opt(0.005, "How long the background sender waits after a put for others to share its "
-                              "controller call (a flush, e.g. a rollout worker reporting its groups, sends at once). "
-                              "0 = send at once; must be 0 when max_pending_puts is 0 (no background sender).", ge=0)
+                              "controller call. Rollout workers and the sync trainer wait it out before reporting "
+                              "their groups done (groups finished meanwhile share the call; timing_s/put, "
+                              "buffer/put_calls); other buffer calls send at once. 0 = send at once; must be 0 when "
+                              "max_pending_puts is 0 (no background sender).", ge=0)

@@ -420,7 +420,8 @@ class BaseTrainer(RunReports):
 
     def rollout_metrics(self) -> dict[str, float]:
         """``perf/rollout_idle_frac``, ``rollout/samples_generated``, ``rollout/gen_s_per_sample``,
-        ``rollout/min_worker_version``, ``timing_s/reward``."""
+        ``rollout/min_worker_version``, ``timing_s/reward``, ``timing_s/put`` (handing the groups to the buffer
+        until admitted and their prompts reported done)."""
         raise NotImplementedError
 
     def progress_label(self) -> str:

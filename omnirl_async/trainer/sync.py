@@ -23,7 +23,7 @@ class SyncTrainer(BaseTrainer):
     def __init__(self, config, prompts, *, printer=print):
         super().__init__(config, prompts, printer=printer)
         self.samples_generated = 0
-        self.worker_gen_s = self.gen_wall_s = self.step_reward_s = 0.0
+        self.worker_gen_s = self.gen_wall_s = self.step_reward_s = self.step_put_s = 0.0
         self.generated_version = 0
         self.t_start = time.perf_counter()
 
@@ -91,6 +91,7 @@ class SyncTrainer(BaseTrainer):
             outputs = self._run_shards(shards)
             self.gen_wall_s += time.perf_counter() - t0
         num, done = 0, []
+        t0 = time.perf_counter()
         for shard, out in zip(shards, outputs):
             if not shard:
                 continue
@@ -101,8 +102,10 @@ class SyncTrainer(BaseTrainer):
             self.samples_generated += len(metas)
             self.worker_gen_s += stats.get("timing_s/gen", 0.0)
             self.step_reward_s += stats.get("timing_s/reward", 0.0)
-        self.buffer.flush(timeout=self.wait_timeout_s)  # admitted before their prompts are done
+        # admitted before their prompts are done; waits out put_linger_s (the shards' puts share one call)
+        self.buffer.flush(timeout=self.wait_timeout_s, share=True)
         self.dispatcher.complete(done)
+        self.step_put_s += time.perf_counter() - t0
         return {"num": num}
 
     # ------------------------------------------------------------------ hooks of the one loop
@@ -113,7 +116,7 @@ class SyncTrainer(BaseTrainer):
         train: the step is an empty step (counted in ``training/empty_steps``)
         and ``reward.max_failed_frac`` decides whether the job goes on.
         """
-        self.step_reward_s = 0.0
+        self.step_reward_s = self.step_put_s = 0.0
         self.generated_version = self.version
         if self.generate(timer) is None:
             return None
@@ -137,7 +140,7 @@ class SyncTrainer(BaseTrainer):
                 "rollout/samples_generated": float(self.samples_generated),
                 "rollout/gen_s_per_sample": self.worker_gen_s / max(1, self.samples_generated),
                 "rollout/min_worker_version": float(self.generated_version),
-                "timing_s/reward": self.step_reward_s}
+                "timing_s/reward": self.step_reward_s, "timing_s/put": self.step_put_s}
 
     def on_run_start(self) -> None:
         self.t_start = time.perf_counter()

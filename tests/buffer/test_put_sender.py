@@ -162,6 +162,30 @@ def test_a_flush_or_a_full_window_ends_the_linger_at_once():
     assert c.batches == [[0], [1, 2]] and time.monotonic() - t < 2.0
 
 
+def test_a_sharing_flush_waits_out_the_linger_so_other_threads_puts_share_the_call():
+    """What a rollout worker's pool threads and the sync trainer do: the flush after a put lets the linger run out,
+    and a put another thread makes meanwhile goes in the same call; a plain flush would have sent the first alone."""
+    c = Controller()
+    s = PutSender(c.send, window=8, linger_s=0.5)
+    s.submit(entry(0), 5.0)
+    other = threading.Timer(0.2, lambda: s.submit(entry(1), 5.0))  # another thread's put, 0.2 s later
+    other.start()
+    t = time.monotonic()
+    s.flush(5.0, share=True)
+    waited = time.monotonic() - t
+    other.join()
+    s.flush(5.0)
+    assert c.batches == [[0, 1]] and 0.4 < waited < 2.0
+    s.submit(entry(2), 5.0)
+    threading.Timer(0.2, lambda: s.submit(entry(3), 5.0)).start()
+    t = time.monotonic()
+    s.flush(5.0)  # not sharing: sends at once
+    assert time.monotonic() - t < 0.3 and c.batches[1] == [2]
+    time.sleep(0.3)
+    s.flush(5.0)
+    assert c.batches[2:] == [[3]] and c.admitted == [0, 1, 2, 3]
+
+
 def test_a_negative_linger_is_refused():
     with pytest.raises(ValueError, match="linger_s >= 0"):
         PutSender(Controller().send, window=1, linger_s=-1.0)

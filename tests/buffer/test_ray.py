@@ -405,6 +405,7 @@ def test_put_linger_s_reaches_every_copy_of_the_client_and_batches_registrations
         copy.put(*make_group("b", 2, dim=INLINE_BYTES // 4))
         copy.flush(timeout=30)
         assert (copy._sender.calls, copy._sender.sent) == (calls, 2)
+        assert buf.metrics()["buffer/put_calls"] == calls  # the controller counts the same calls
         check_rows(buf.sample(4, learner_version=0, timeout=30))
     finally:
         buf.close()
