@@ -15,7 +15,9 @@ Who holds what:
   under a token until the reader acknowledges it (in its next read call, or
   :meth:`RayReplayBuffer.close`; ``READ_HOLD_S`` for a reader that never
   does), which spares Ray's borrower protocol – ~1 ms per 8-ref reply on
-  2 cores. A read's arguments go as one msgpack blob (one Ray argument).
+  2 cores. A read's arguments and its reply go as one msgpack blob each, and
+  so do registrations (:mod:`.rpc`; ~0.2 ms less per call than Ray's
+  pickling of tuples, dicts and small arrays).
 
 So one put is two actor calls (unit, controller) and one sample is one actor
 call plus one ``ray.get`` – per *group* and per *batch*, never per sample.
