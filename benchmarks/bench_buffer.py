@@ -147,7 +147,7 @@ class Producer:
 
     def put_costs(self, buf, prefix: str, n: int) -> dict[str, list[float]]:
         """Part 2, one group at a time: a plain ``ray.put`` of it, the buffer's ``put`` (returns once the
-        registration is queued), then ``flush`` (the controller's ``put_many`` call). Seconds per call."""
+        registration is queued), then ``flush`` (the controller's registration call). Seconds per call."""
         out: dict[str, list[float]] = {"ray.put": [], "buffer.put": [], "flush": []}
         for k in range(n):
             payload = {"x": self.x, "id": self._ids(k * self.x.shape[0], 0)}
@@ -424,7 +424,7 @@ def sampling_cost(quick: bool) -> None:
 #: Part 2's rows: (who, what, key in the measured dict, what it stands for)
 COST_ROWS = [("producer", "ray.put of the group", "ray.put", "raw pays this too"),
              ("producer", "buffer.put (returns once queued)", "buffer.put", "1 MB: + the same ray.put; 4 KB: a copy"),
-             ("producer", "flush: the controller's put_many", "flush", "background in the throughput runs"),
+             ("producer", "flush: the registration call", "flush", "background in the throughput runs"),
              ("consumer", "raw: the call handing over a ref", "raw call", "an actor call returning one ref"),
              ("consumer", "raw: ray.get of that ref", "raw get", ""),
              ("consumer", "buffer: the controller's sample", "sample", "the metadata + the ref(s) as bytes"),

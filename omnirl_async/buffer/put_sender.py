@@ -5,7 +5,7 @@ does its own work (validation, the object-store put of the payload) and hands
 the small registration (metadata + the payload's ref, as bytes) to a
 :class:`PutSender`, which sends it to the controller from a background thread
 and returns at once. The sender waits ``linger_s``
-(``transfer_queue.put_linger_s``, 5 ms) after a registration arrives for
+(``transfer_queue.put_linger_s``, 20 ms) after a registration arrives for
 others to share its call, and while one call is in flight the registrations
 that arrive queue up for the next: one controller call per *batch* of groups
 when the producer is fast (a worker putting the groups of a batch of prompts

@@ -172,7 +172,7 @@ class TransportSpec:
     #: puts handed to a background sender per process before a put waits (0: each put waits for the controller)
     max_pending_puts: int = 8
     #: how long the background sender waits for more registrations to share a controller call
-    put_linger_s: float = 0.005
+    put_linger_s: float = 0.02
 
     def __post_init__(self) -> None:
         k = self.num_data_storage_units

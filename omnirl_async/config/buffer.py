@@ -140,7 +140,7 @@ class TransferQueueConfig:
                                 "to admit them (registrations queued meanwhile go out together, one call per batch); "
                                 "a put beyond that waits. Errors come back at the next buffer call; rollout workers "
                                 "flush before reporting a group done. 0 = every put waits for the controller.", ge=0)
-    put_linger_s: float = opt(0.005, "How long the background sender waits after a put for others to share its "
+    put_linger_s: float = opt(0.02, "How long the background sender waits after a put for others to share its "
                               "controller call. Rollout workers and the sync trainer wait it out before reporting "
                               "their groups done (groups finished meanwhile share the call; timing_s/put, "
                               "buffer/put_calls); other buffer calls send at once. 0 = send at once; must be 0 when "

@@ -184,7 +184,7 @@ BAD = [
     ({"transfer_queue.put_linger_s": -0.1}, r"`transfer_queue.put_linger_s` = -0.1: must be a number of seconds"),
     ({"transfer_queue.put_linger_s": "5ms"}, r"`transfer_queue.put_linger_s` = '5ms'"),
     ({"transfer_queue.max_pending_puts": 0},
-     r"`transfer_queue.put_linger_s` = 0.005 has no effect with `transfer_queue.max_pending_puts` = 0 .* set "
+     r"`transfer_queue.put_linger_s` = 0.02 has no effect with `transfer_queue.max_pending_puts` = 0 .* set "
      r"`transfer_queue.put_linger_s=0`"),
 ]
 
