@@ -83,8 +83,8 @@ class _Controller:
         metas = _METAS.decode(metas_msgpack)
         spec_ = {k: FieldSpec.from_list(v) for k, v in spec.items()}
         payload = wrapped_ref[0]
-        if isinstance(payload, dict):  # inline: own a copy, not a view of the call's buffer
-            payload = {k: np.array(v, copy=True) for k, v in payload.items()}
+        if isinstance(payload, dict):  # inline: own a copy, not a view of the call's buffer (a blob's arrays are)
+            payload = {k: v if v.flags.owndata else np.array(v, copy=True) for k, v in payload.items()}
         rows = 0
         if is_wire(payload):
             if holder is None:
