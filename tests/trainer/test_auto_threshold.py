@@ -11,6 +11,7 @@ from omnirl_async.algos import compute_rollout_correction
 from omnirl_async.config import ConfigError, load_config
 from omnirl_async.trainer.auto_threshold import (LEARNER_WAITS, PREFIX, RAISE_MARGIN, StepSignals,
                                                  ThresholdController, WindowSignals)
+from tests.trainer.tb_events import scalar_events
 
 TARGET = 0.01
 #: One update of each kind of trace (workers = 2, a step of 1 s).
@@ -264,14 +265,6 @@ PROMPTS = ["one red circle", "two blue squares", "a green triangle", "three yell
            "a white square", "two purple triangles", "one blue circle", "four red squares"]
 
 
-def _scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 @pytest.mark.slow  # a training run on Ray (~20 s on 2 cores)
 @pytest.mark.parametrize("mode", ["sync", "separate_async"])
 def test_a_run_with_auto_logs_every_decision_and_keeps_every_lag_within_its_bound(request, small_overrides,
@@ -297,7 +290,7 @@ def test_a_run_with_auto_logs_every_decision_and_keeps_every_lag_within_its_boun
         summary = trainer.fit()
     finally:
         trainer.stop()
-    tags = _scalars(tmp_path / "tb")
+    tags = scalar_events(tmp_path / "tb")
     threshold = tags["training/off_policy/threshold"]
     assert [s for s, _ in threshold] == list(range(1, 7))
     assert all(0 <= v <= 2 for _, v in threshold)

@@ -16,16 +16,9 @@ from omnirl_async.buffer.offline_store import OfflineStore
 from omnirl_async.config import load_config
 from omnirl_async.trainer.task_runner import TaskRunner
 from tests.data.offline_fixtures import PROMPTS, latent_dataset, model_store
+from tests.trainer.tb_events import scalar_values
 
 MODES = ["sync", "separate_async"]
-
-
-def _scalars(log_dir: Path) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def _overrides(small_overrides, tmp_path: Path, mode: str, *extra: str) -> list[str]:
@@ -62,7 +55,7 @@ def test_mixed_run_draws_the_ratio_and_splits_metrics(ray_cluster, small_overrid
     assert summary["global_step"] == 4
     assert any("offline table: 12 preference pairs" in line and "1 online group(s) of 3 samples and ~3 offline rows "
                "per update" in line for line in printed), printed
-    s = _scalars(tmp_path / "tb")
+    s = scalar_values(tmp_path / "tb")
     # the offline half takes the place of one of the 2 groups: each update trains 1 online group of 3 samples and
     # whole offline pairs as the carried rounding gives them (3 wanted: 2 pairs, then 1, ...): the drawn share is
     # the ratio and a batch keeps ~2 x 3 rows
@@ -92,7 +85,7 @@ def test_a_tapered_share_falls_with_the_run_and_hands_its_rows_back_to_online_gr
     by = "the run's end" if taper_end == 1.0 else "50% of the run (`buffer.offline_mix_taper_end`)"
     assert any(f"moving to `buffer.offline_mix_ratio_final` = 0 by {by} (2 online group(s) of 3 samples "
                "and ~0 offline rows per update)" in line for line in printed), printed
-    s = _scalars(tmp_path / "tb")
+    s = scalar_values(tmp_path / "tb")
     ratios, drawn = s["training/offline_mix_ratio"], s["training/offline_samples"]
     # the share of an update follows the run's progress at that update (separate_async makes its batch an update
     # ahead, at the share of the update it is for): 0.5 at first, falling linearly to 0 at `taper_end` of the run
@@ -121,7 +114,7 @@ def test_a_tapered_run_resumes_with_the_update_sizes_it_laid_out(ray_cluster, sm
                                  "trainer.save_freq=3"))
     _store(tmp_path, cfg, tiny_policy)
     assert TaskRunner(cfg, printer=lambda line: None).run()["global_step"] == 3
-    assert _scalars(tmp_path / "tb")["perf/total_num_samples"] == [3, 3, 6]  # r = 0.5, 1/3, 1/6: 1, 1, 2 groups
+    assert scalar_values(tmp_path / "tb")["perf/total_num_samples"] == [3, 3, 6]  # r = 0.5, 1/3, 1/6: 1, 1, 2 groups
     state = load_state(tmp_path / "run" / "global_step_3", "trainer")
     if mode == "separate_async":  # the sizes admission laid out (ahead of training) travel with the checkpoint
         assert state["dispatcher"]["admission"]["layout"]["sizes"][:3] == [1, 1, 2]
@@ -130,7 +123,7 @@ def test_a_tapered_run_resumes_with_the_update_sizes_it_laid_out(ray_cluster, sm
                                      f"trainer.log_dir={tmp_path / 'tb2'}"))
     assert TaskRunner(resumed, printer=lambda line: None).run()["global_step"] == 6
     # updates 4-6 of a 6-update taper: r = 0.25, 1/6, 1/12 -> 2 online groups of 3 each
-    assert _scalars(tmp_path / "tb2")["perf/total_num_samples"] == [6, 6, 6]
+    assert scalar_values(tmp_path / "tb2")["perf/total_num_samples"] == [6, 6, 6]
 
 
 @pytest.mark.slow
@@ -158,7 +151,7 @@ def test_offline_source_trains_with_no_rollout_workers(ray_cluster, small_overri
         assert not trainer.dcall("tickets_issued")  # no prompt was ever leased
     finally:
         trainer.stop()
-    s = _scalars(tmp_path / "tb")
+    s = scalar_values(tmp_path / "tb")
     assert s["training/offline_samples"] == [6.0] * 6
     assert "critic/rewards/mean" not in s and "training/off_policy/trajectory_staleness/max" not in s
     assert s["buffer/offline_frac"][-1] == 1.0 and s["buffer/sampled"][-1] == 0

@@ -9,16 +9,13 @@ import pytest
 
 from omnirl_async.config import load_config
 from omnirl_async.trainer.task_runner import TaskRunner
+from tests.trainer.tb_events import scalar_events, scalar_values
 
 PROMPTS = ["one red circle", "two blue squares", "a green triangle", "three yellow circles"]
 
 
 def _tags(log_dir: Path) -> dict[str, list[int]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.step for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+    return {tag: [step for step, _ in ev] for tag, ev in scalar_events(log_dir).items()}
 
 
 def _run(small_overrides, out: Path, mode: str) -> dict[str, list[int]]:
@@ -80,14 +77,6 @@ def test_a_fresh_run_sets_an_earlier_runs_later_checkpoints_aside(ray_cluster, s
     assert [json.loads(x)["step"] for x in trained] == [1, 2]  # only this run's steps
 
 
-def _scalars(log_dir: Path) -> dict[str, list[float]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
-    acc.Reload()
-    return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 @pytest.mark.slow  # four short runs (~1 min)
 @pytest.mark.parametrize("mode", ["sync", "separate_async"])
 def test_put_linger_s_is_waited_out_by_whoever_puts_in_both_modes(ray_cluster, small_overrides, tmp_path, mode):
@@ -107,9 +96,9 @@ def test_put_linger_s_is_waited_out_by_whoever_puts_in_both_modes(ray_cluster, s
             "trainer.test_freq=-1", "trainer.val_before_train=false",
             f"trainer.default_local_dir={out / 'ckpt'}", f"trainer.log_dir={out / 'tb'}"])
         assert TaskRunner(cfg, printer=lambda *a: None).run()["global_step"] == 2
-        sc = _scalars(out / "tb")
+        sc = scalar_values(out / "tb")
         got[linger] = (sum(sc["timing_s/put"]), sc["buffer/put_calls"][-1])
-    (put_0, calls_0), (put_1, calls_1) = got[0.0], got[1.0]
+    (put_0, _), (put_1, calls_1) = got[0.0], got[1.0]
     assert calls_1 >= 1 and put_1 >= 0.9 * calls_1, got  # every call waited out its second
     assert put_0 < 0.5 * put_1, got  # no linger: admitted as soon as the call returns
     if mode == "sync":
