@@ -15,7 +15,7 @@ import ray
 
 from omnirl_async.buffer.core import BufferCore
 from omnirl_async.buffer.ref_wire import check_supported, from_wire, is_wire, to_wire
-from omnirl_async.buffer.rpc import guard, packed, unpack
+from omnirl_async.buffer.rpc import Pickled, guard, packed, unpack
 from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.buffer.wire_ledger import ReadHolds, WireLedger
@@ -118,14 +118,14 @@ class _Controller:
     def put_packed(self, blob: bytes):
         """:meth:`put_many` with its arguments as one blob (:func:`.rpc.pack`: ``[items, holder]``, payloads ref
         bytes, inline arrays or None – not ObjectRefs). All admitted: the blob ``[[n per item], released ids]``;
-        else ("ok", (results, released)) as :meth:`put_many` returns it."""
+        else (results, released) as :meth:`put_many` returns it (pickled: a refusal carries its exception)."""
         items, holder = unpack(blob)
         results = [self.put(metas, [tuple(p) if isinstance(p, list) else p], spec, row_nbytes, timeout, owner,
                             holder) for metas, (p,), spec, row_nbytes, timeout, owner in items]
         released = self._released(holder, call=True)
         if all(st == "ok" for st, _ in results):
             return [[n for _, n in results], released]
-        return ("ok", (results, released))
+        return Pickled((results, released))
 
     def _released(self, holder: str | None, *, call: bool = False) -> list[bytes]:
         """What ``holder`` may drop; ``call``: the end of a registration call (counted: ``buffer/put_calls``)."""

@@ -17,16 +17,20 @@ from typing import Any
 import msgspec
 import numpy as np
 
-__all__ = ["answer", "guard", "pack", "packed", "request", "unpack"]
+__all__ = ["Pickled", "answer", "guard", "pack", "packed", "request", "unpack"]
 
 _ARRAY = 1  # msgpack extension code of a numpy array: [dtype.str, shape, raw bytes]
 
 
+def _number(value: Any) -> Any:
+    """A numpy scalar as the Python number it holds; anything else unchanged."""
+    return value.item() if isinstance(value, (np.integer, np.floating, np.bool_)) else value
+
+
 def _plain(value: Any) -> Any:
     """msgpack hook: numpy scalars as Python numbers; anything else as its repr, for the controller to refuse."""
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    return repr(value)
+    out = _number(value)
+    return repr(value) if out is value else out
 
 
 _REQUEST = msgspec.msgpack.Encoder(enc_hook=_plain)
@@ -43,9 +47,10 @@ def _array_out(value: Any) -> Any:
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
         return msgspec.msgpack.Ext(_ARRAY, _HEADER.encode([value.dtype.str, list(value.shape),
                                                           np.ascontiguousarray(value).data]))
-    if isinstance(value, (np.integer, np.floating, np.bool_)):
-        return value.item()
-    raise TypeError(f"cannot send a {type(value).__name__} in a controller blob")
+    out = _number(value)
+    if out is value:
+        raise TypeError(f"cannot send a {type(value).__name__} in a controller blob")
+    return out
 
 
 def _array_in(code: int, data: memoryview) -> Any:
@@ -82,14 +87,24 @@ def guard(fn):
     return wrapper
 
 
+class Pickled:
+    """Returned by a :func:`packed` method for a value a blob cannot carry (exceptions, say): it travels as
+    ("ok", value), pickled by Ray like a :func:`guard` reply."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
 def packed(fn):
     """Like :func:`guard`, but a value comes back as :func:`pack` 's blob (``bytes``) and only an error as
-    ("err", exception); a method may also return ("ok", value) itself, for a value a blob cannot carry."""
+    ("err", exception); a method may return :class:`Pickled` (value) for a value a blob cannot carry."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             value = fn(*args, **kwargs)
-            return value if isinstance(value, tuple) and len(value) == 2 and value[0] == "ok" else pack(value)
+            return ("ok", value.value) if isinstance(value, Pickled) else pack(value)
         except Exception as exc:
             return ("err", exc)
     return wrapper

@@ -112,7 +112,7 @@ class SeparateAsyncTrainer(BaseTrainer):
         self.trained_log: list[tuple[str, str, int, int, int]] = []
         self.replaced_workers = 0
         self.final_worker_stats: list = []
-        self.reward_s_seen = self.put_s_seen = 0.0
+        self.totals_seen: dict[str, float] = {}  # workers' running totals at the last step (:meth:`since_last_step`)
 
     # ------------------------------------------------------------------ construction
     def updates_per_version(self) -> int:
@@ -394,16 +394,20 @@ class SeparateAsyncTrainer(BaseTrainer):
         if not stats:
             return {}
         wall = sum(s["wall_s"] for s in stats) or 1.0
-        reward_s = sum(s["reward_s"] for s in stats)
         self._rollout_now = (sum(s["idle_s"] for s in stats), float(sum(s["samples"] for s in stats)))
-        step_reward_s, self.reward_s_seen = max(0.0, reward_s - self.reward_s_seen), reward_s
-        put_s = sum(s["put_s"] for s in stats)
-        step_put_s, self.put_s_seen = max(0.0, put_s - self.put_s_seen), put_s
         return {"perf/rollout_idle_frac": sum(s["idle_s"] for s in stats) / wall,
                 "rollout/samples_generated": float(sum(s["samples"] for s in stats)),
                 "rollout/gen_s_per_sample": sum(s["gen_s"] for s in stats) / max(1, sum(s["samples"] for s in stats)),
                 "rollout/min_worker_version": float(min(s["version"] for s in stats)),
-                "timing_s/reward": step_reward_s, "timing_s/put": step_put_s}
+                "timing_s/reward": self.since_last_step("reward_s", stats),
+                "timing_s/put": self.since_last_step("put_s", stats)}
+
+    def since_last_step(self, name: str, stats: list[dict]) -> float:
+        """How much the workers' running total ``name`` grew since the last step (0 when it fell: a replaced
+        worker's total starts again at 0)."""
+        total = sum(s[name] for s in stats)
+        grown, self.totals_seen[name] = max(0.0, total - self.totals_seen.get(name, 0.0)), total
+        return grown
 
     @contextlib.contextmanager
     def quiesced(self, purpose: str):

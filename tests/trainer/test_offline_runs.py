@@ -129,8 +129,6 @@ def test_a_tapered_run_resumes_with_the_update_sizes_it_laid_out(ray_cluster, sm
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
 def test_offline_source_trains_with_no_rollout_workers(ray_cluster, small_overrides, tiny_policy, tmp_path, mode):
-    import ray
-
     cfg = load_config(_overrides(small_overrides, tmp_path, mode, "algorithm.sample_source=offline",
                                  "trainer.total_epochs=2", "trainer.save_freq=-1", "trainer.test_freq=3"))
     _store(tmp_path, cfg, tiny_policy, n=9)
