@@ -26,7 +26,8 @@ samples cross four transports:
                 (one ``ray.put`` per put, its controller registration sent in the
                 background and batched with others queued meanwhile; under 64 KB the
                 bytes ride inside the controller call), one ``sample`` per batch,
-                two requests in flight (``sample_async``);
+                two requests in flight (``sample_async``); each producer keeps one
+                client for the whole run, as a rollout worker (and TQ's producers) do;
 * ``durable`` – the same with ``producer_owned_payloads=false``: a storage-unit
                 actor copies each put into an object it owns (survives its producer).
 
@@ -83,7 +84,7 @@ from omnirl_async.buffer.transfer_queue import RayReplayBuffer  # noqa: E402
 from omnirl_async.protocol import SampleMeta, SampleStatus, SampleTags  # noqa: E402
 
 #: label, bytes per sample, samples per cell (full run)
-SIZES = [("4KB", 4 * 1024, 1024), ("1MB", 1024**2, 512), ("16MB", 16 * 1024**2, 64)]
+SIZES = [("4KB", 4 * 1024, 1024), ("1MB", 1024**2, 512), ("16MB", 16 * 1024**2, 256)]  # 64 at 16 MB: ±0.3x noise
 QUICK_SAMPLES = {"4KB": 128, "1MB": 32, "16MB": 16}
 PRODUCERS = [1, 2, 4]
 PER_PUT = [1, 8]
@@ -111,6 +112,12 @@ class Producer:
         self.index = index
         self.x: np.ndarray | None = None
         self.tq = None
+        self.buffers: dict[str, object] = {}
+
+    def attach(self, name: str, buf) -> None:
+        """Keep a client of ``buf`` for the rounds, as a rollout worker keeps its own (and TQ's producers theirs):
+        a client passed with every call would be unpickled afresh each time (actor handles, a new sender thread)."""
+        self.buffers[name] = buf
 
     def prepare(self, nbytes: int, per_put: int) -> None:
         self.x = np.ones((per_put, nbytes // 4), dtype=np.float32)
@@ -163,7 +170,8 @@ class Producer:
             out["flush"].append(time.perf_counter() - t)
         return out
 
-    def buffer(self, buf, prefix: str, n_puts: int, base: int) -> int:
+    def buffer(self, name: str, prefix: str, n_puts: int, base: int) -> int:
+        buf = self.buffers[name]
         for k in range(n_puts):
             buf.put(metas_for(prefix, base + k, self.x.shape[0]), {"x": self.x, "id": self._ids(base, k)},
                     timeout=120, producer=f"p{self.index}")
@@ -206,8 +214,9 @@ def round_tq(client, producers, n_puts: int, bases: list[int], per_put: int, par
     return got
 
 
-def round_buffer(buf, producers, n_puts: int, bases: list[int], per_put: int, prefix: str) -> list[np.ndarray]:
-    done = [p.buffer.remote(buf, f"{prefix}-p{i}", n_puts, b) for i, (p, b) in enumerate(zip(producers, bases))]
+def round_buffer(buf, name: str, producers, n_puts: int, bases: list[int], per_put: int,
+                 prefix: str) -> list[np.ndarray]:
+    done = [p.buffer.remote(name, f"{prefix}-p{i}", n_puts, b) for i, (p, b) in enumerate(zip(producers, bases))]
     total, got, asked = n_puts * per_put * len(producers), [], 0
     requests: collections.deque = collections.deque()
     while asked < total or requests:
@@ -256,7 +265,7 @@ class Bench:
                 got = round_tq(self.tq_client, producers, n_puts, bases, per_put, f"r{self.rounds}")
             else:
                 buf = self.buf if transport == "buffer" else self.durable
-                got = round_buffer(buf, producers, n_puts, bases, per_put, f"r{self.rounds}")
+                got = round_buffer(buf, transport, producers, n_puts, bases, per_put, f"r{self.rounds}")
             elapsed += time.perf_counter() - t
             err = check_once(got, expected, f"{transport} {where}")
             if err:
@@ -316,7 +325,7 @@ def throughput(args) -> list[str]:
     buf = RayReplayBuffer.create(spec)
     durable = RayReplayBuffer.create(dataclasses.replace(spec, transport=TransportSpec(producer_owned_payloads=False)))
     producers = [Producer.remote(i) for i in range(n_max)]
-    ray.get([p.__ray_ready__.remote() for p in producers])
+    ray.get([p.attach.remote(name, b) for p in producers for name, b in (("buffer", buf), ("durable", durable))])
     print(f"actors up in {time.time() - t_start:.0f} s")
     tq_client, tq = None, None
     try:
