@@ -432,7 +432,8 @@ def test_buffer_bench_call_costs_runs_alone_and_prints_every_row():
     assert out.returncode == 0, out.stderr[-2000:]
     assert "where a group of 8 goes" in out.stdout and "raw smp/s" not in out.stdout  # part 1 left out
     bench = _load("bench_buffer")
-    for _who, what, _key, _note in bench.COST_ROWS:
+    for _who, what, key, _note in bench.COST_ROWS:
         line = next(ln for ln in out.stdout.splitlines() if what in ln)
         small, large = (float(x) for x in line.split("|")[1:3])
-        assert 0 < small < 1000 and 0 < large < 1000, line
+        # a 4 KB group rides inline in the sample reply: its "ray.get" fetches nothing and prints 0.00 ms
+        assert (0 <= small if key == "get" else 0 < small) and small < 1000 and 0 < large < 1000, line
