@@ -242,8 +242,9 @@ def check_once(got: list[np.ndarray], expected: np.ndarray, where: str) -> str |
 
 
 class Bench:
-    def __init__(self, tq_client, buf, durable, producers: list) -> None:
-        self.tq_client, self.buf, self.durable, self.producers = tq_client, buf, durable, producers
+    def __init__(self, tq_client, clients: dict, producers: list) -> None:
+        """``clients``: the buffer per transport name ("buffer", "durable"), attached to every producer."""
+        self.tq_client, self.clients, self.producers = tq_client, clients, producers
         self.next_base = 0  # sample ids never repeat within the run
         self.failures: list[str] = []
         self.rounds = 0
@@ -264,8 +265,8 @@ class Bench:
             elif transport == "tq":
                 got = round_tq(self.tq_client, producers, n_puts, bases, per_put, f"r{self.rounds}")
             else:
-                buf = self.buf if transport == "buffer" else self.durable
-                got = round_buffer(buf, transport, producers, n_puts, bases, per_put, f"r{self.rounds}")
+                got = round_buffer(self.clients[transport], transport, producers, n_puts, bases, per_put,
+                                   f"r{self.rounds}")
             elapsed += time.perf_counter() - t
             err = check_once(got, expected, f"{transport} {where}")
             if err:
@@ -325,7 +326,8 @@ def throughput(args) -> list[str]:
     buf = RayReplayBuffer.create(spec)
     durable = RayReplayBuffer.create(dataclasses.replace(spec, transport=TransportSpec(producer_owned_payloads=False)))
     producers = [Producer.remote(i) for i in range(n_max)]
-    ray.get([p.attach.remote(name, b) for p in producers for name, b in (("buffer", buf), ("durable", durable))])
+    clients = {"buffer": buf, "durable": durable}
+    ray.get([p.attach.remote(name, b) for p in producers for name, b in clients.items()])
     print(f"actors up in {time.time() - t_start:.0f} s")
     tq_client, tq = None, None
     try:
@@ -344,7 +346,7 @@ def throughput(args) -> list[str]:
     except ImportError as exc:
         print(f"tq skipped: TransferQueue is not installed ({exc}); install it with: {TQ_INSTALL}")
     transports = [t for t in TRANSPORTS if t != "tq" or tq_client is not None]
-    bench = Bench(tq_client, buf, durable, producers)
+    bench = Bench(tq_client, clients, producers)
     print(f"\nmedians over {args.repeats} repetitions (every transport once per repetition, rotated order); "
           "ratios: median [min-max] of the ratio within a repetition")
     print(f"{'size':>5} {'put':>3} {'prod':>4} {'cell':>9} | {'raw smp/s':>9} {'tq smp/s':>9} {'buffer smp/s':>12} "

@@ -22,15 +22,12 @@ __all__ = ["Pickled", "answer", "guard", "pack", "packed", "request", "unpack"]
 _ARRAY = 1  # msgpack extension code of a numpy array: [dtype.str, shape, raw bytes]
 
 
-def _number(value: Any) -> Any:
-    """A numpy scalar as the Python number it holds; anything else unchanged."""
-    return value.item() if isinstance(value, (np.integer, np.floating, np.bool_)) else value
+_NUMPY_SCALAR = (np.integer, np.floating, np.bool_)  # sent as the Python number they hold (``.item()``)
 
 
 def _plain(value: Any) -> Any:
     """msgpack hook: numpy scalars as Python numbers; anything else as its repr, for the controller to refuse."""
-    out = _number(value)
-    return repr(value) if out is value else out
+    return value.item() if isinstance(value, _NUMPY_SCALAR) else repr(value)
 
 
 _REQUEST = msgspec.msgpack.Encoder(enc_hook=_plain)
@@ -47,10 +44,9 @@ def _array_out(value: Any) -> Any:
     if isinstance(value, np.ndarray) and not value.dtype.hasobject:
         return msgspec.msgpack.Ext(_ARRAY, _HEADER.encode([value.dtype.str, list(value.shape),
                                                           np.ascontiguousarray(value).data]))
-    out = _number(value)
-    if out is value:
-        raise TypeError(f"cannot send a {type(value).__name__} in a controller blob")
-    return out
+    if isinstance(value, _NUMPY_SCALAR):
+        return value.item()
+    raise TypeError(f"cannot send a {type(value).__name__} in a controller blob")
 
 
 def _array_in(code: int, data: memoryview) -> Any:
