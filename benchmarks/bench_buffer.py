@@ -59,6 +59,10 @@ and ``ray.get`` on each path, and an empty controller call as the floor.
 
 Part 3 – sampling cost with 10^3 and 10^5 stored samples for every sampler
 (in-process core; the controller runs the same code).
+
+Part 4 – where the CPU goes (``cpu``, not in the default parts): CPU ms per group of 8 by process for
+raw, tq and buffer, one producer, 4 KB and 1 MB, and an empty actor call's CPU on either side
+(``buffer_cpu.py``).
 """
 
 from __future__ import annotations
@@ -94,7 +98,8 @@ TQ_POLL_S = 0.005
 SAMPLES_IN_FLIGHT = 2  # the buffer's consumer keeps this many sample requests in flight (sample_async)
 TQ_INSTALL = "pip install -e .[transferqueue]  (or .venv/bin/pip install transferqueue==0.1.11)"
 TRANSPORTS = ["raw", "tq", "buffer", "durable"]
-PARTS = ["throughput", "costs", "sampling"]
+TQ_CPUS = 3  # TransferQueue 0.1.11's controller and each of its 2 storage units are num_cpus=1 actors
+PARTS = ["throughput", "costs", "sampling", "cpu"]
 
 
 def metas_for(prefix: str, g: int, n: int) -> list[SampleMeta]:
@@ -316,6 +321,33 @@ def fmt_ratio(r: tuple[float, float, float]) -> str:
     return f"{'-':>16}" if math.isnan(med) else f"{med:>5.2f} [{lo:.2f}-{hi:.2f}]"
 
 
+def start_tq(producers) -> tuple:
+    """(the ``transfer_queue`` module, a consumer client) with every producer attached; (None, None), said
+    with the install command, when TransferQueue is not installed."""
+    try:
+        import logging
+
+        os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))  # TQ's own clamp, silenced
+
+        import transfer_queue as tq
+        from omegaconf import OmegaConf
+    except ImportError as exc:
+        print(f"tq skipped: TransferQueue is not installed ({exc}); install it with: {TQ_INSTALL}")
+        return None, None
+    cpus = ray.cluster_resources().get("CPU", 0)
+    if cpus < TQ_CPUS:  # its actors would wait for resources forever
+        print(f"tq skipped: TransferQueue's controller and 2 storage units ask Ray for {TQ_CPUS} CPUs and this "
+              f"cluster has {cpus:g} (--num-cpus {TQ_CPUS} or more to include it)")
+        return None, None
+    logging.getLogger("transfer_queue").setLevel(logging.WARNING)
+    tq.init(OmegaConf.create({"controller": {"polling_mode": True},
+                              "backend": {"SimpleStorage": {"num_data_storage_units": 2}}}))
+    client = tq.get_client()
+    ray.get([p.tq_attach.remote() for p in producers])
+    print(f"TransferQueue {tq.__version__}: controller + 2 SimpleStorage units, polling consumer")
+    return tq, client
+
+
 def throughput(args) -> list[str]:
     sizes = [s for s in SIZES if s[0] in args.sizes]
     n_max = max(args.producers)
@@ -329,22 +361,7 @@ def throughput(args) -> list[str]:
     clients = {"buffer": buf, "durable": durable}
     ray.get([p.attach.remote(name, b) for p in producers for name, b in clients.items()])
     print(f"actors up in {time.time() - t_start:.0f} s")
-    tq_client, tq = None, None
-    try:
-        import logging
-
-        os.environ.setdefault("TQ_NUM_THREADS", str(min(8, os.cpu_count() or 1)))  # TQ's own clamp, silenced
-
-        import transfer_queue as tq
-        from omegaconf import OmegaConf
-        logging.getLogger("transfer_queue").setLevel(logging.WARNING)
-        tq.init(OmegaConf.create({"controller": {"polling_mode": True},
-                                  "backend": {"SimpleStorage": {"num_data_storage_units": 2}}}))
-        tq_client = tq.get_client()
-        ray.get([p.tq_attach.remote() for p in producers])
-        print(f"TransferQueue {tq.__version__}: controller + 2 SimpleStorage units, polling consumer")
-    except ImportError as exc:
-        print(f"tq skipped: TransferQueue is not installed ({exc}); install it with: {TQ_INSTALL}")
+    tq, tq_client = start_tq(producers)
     transports = [t for t in TRANSPORTS if t != "tq" or tq_client is not None]
     bench = Bench(tq_client, clients, producers)
     print(f"\nmedians over {args.repeats} repetitions (every transport once per repetition, rotated order); "
@@ -500,6 +517,29 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def cpu_by_process(quick: bool) -> list[str]:
+    """Part 4 (``buffer_cpu.py``): one producer, groups of 8, raw / tq (when installed) / buffer. Returns the
+    exactly-once failures."""
+    import buffer_cpu
+
+    spec = BufferSpec(table=TableSpec(sampler="fifo", max_size=1 << 20), staleness=StalenessSpec(threshold=None),
+                      capacity=CapacitySpec(memory_budget_bytes=768 * 1024**2))
+    buf, producer = RayReplayBuffer.create(spec), Producer.remote(0)
+    ray.get(producer.attach.remote("buffer", buf))
+    tq, tq_client = start_tq([producer])
+    try:
+        bench = Bench(tq_client, {"buffer": buf}, [producer])
+        cells = [("4KB", 4 * 1024, 32 if quick else 256), ("1MB", 1024**2, 8 if quick else 64)]
+        transports = [t for t in ("raw", "tq", "buffer") if t != "tq" or tq is not None]
+        buffer_cpu.cpu_part(bench, transports, producer, cells, plan, 500 if quick else 4000)
+        return bench.failures
+    finally:
+        if tq is not None:
+            tq.close()
+        buf.close()
+        ray.kill(producer)
+
+
 def _list(kind, choices):
     def parse(text: str):
         out = [kind(v) for v in text.split(",") if v]
@@ -520,8 +560,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=None,
                     help="repetitions per cell, every transport once each, in a rotated order (default 5; "
                          "2 with --quick)")
-    ap.add_argument("--parts", type=_list(str, PARTS), default=PARTS,
-                    help="comma list of throughput,costs,sampling (parts 1, 2, 3 of the docstring)")
+    ap.add_argument("--parts", type=_list(str, PARTS), default=PARTS[:3],
+                    help="comma list of throughput,costs,sampling,cpu (parts 1-4 of the docstring; default the "
+                         "first three)")
     ap.add_argument("--num-cpus", type=int, default=8)
     args = ap.parse_args()
     if args.repeats is None:
@@ -540,6 +581,8 @@ def main() -> None:
             failures = throughput(args)
         if "costs" in args.parts:
             call_costs(Producer.remote(0), 20 if args.quick else 100)
+        if "cpu" in args.parts:
+            failures += cpu_by_process(args.quick)
     finally:
         ray.shutdown()
     if "sampling" in args.parts:
