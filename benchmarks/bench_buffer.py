@@ -494,7 +494,7 @@ def call_costs(producer, n: int) -> dict[str, dict[str, float]]:
                 # the client's sample() in its two halves: the controller call, then the consumer's ray.get
                 t = time.perf_counter()
                 _metas, parts, _info, token = buf._wait(
-                    buf._controller.sample.remote(request(8, 0, 120.0, None, buf._take_acks())), 120.0)
+                    buf._controller.sample.remote(request(8, 0, 120.0, None, buf._take_acks())), 120.0, "sample")
                 times["sample"].append(time.perf_counter() - t)
                 t = time.perf_counter()
                 buf._fetch([], parts, {})

@@ -20,6 +20,7 @@ from omnirl_async.buffer.schema import FieldSpec
 from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.buffer.wire_ledger import ReadHolds, WireLedger
 from omnirl_async.protocol import SampleMeta, SampleStatus
+from omnirl_async.waits import bounded_get
 
 __all__ = ["CONTROLLER_CONCURRENCY", "LOST_REASON", "READ_HOLD_S", "StorageUnit", "TransferQueueController",
            "unit_for"]
@@ -71,7 +72,10 @@ class _Controller:
         self.put_calls = 0  # registration calls received (`buffer/put_calls`)
 
     def assert_healthy(self) -> int:
-        ray.get([u.assert_healthy.remote() for u in self.units], timeout=60)
+        bounded_get([u.assert_healthy.remote() for u in self.units], 60.0,
+                    f"replay buffer: the {len(self.units)} storage unit(s)' `assert_healthy`",
+                    "A unit may not have started (Ray lacks the resources it asks for, see `ray status`) or be stuck.",
+                    key=None)
         return len(self.units)
 
     @guard

@@ -49,6 +49,7 @@ __all__ = ["OFFLINE_DIR", "INDEX_FILE", "FORMAT", "FORMAT_VERSION", "StoreSignat
 OFFLINE_DIR = "offline"
 INDEX_FILE = "index.msgpack"
 LOCK_FILE = ".lock"
+LOCK_TIMEOUT_S = 300.0  # an append holds the lock while it writes one shard and the index
 FORMAT = "omnirl-async-offline"
 FORMAT_VERSION = 1
 _ENCODER = msgspec.msgpack.Encoder(order="sorted")
@@ -247,15 +248,16 @@ class OfflineStore:
         return r if r is not None and r.content_hash != content_hash else None
 
     def append(self, pairs: Sequence[NewPair], *, signature: StoreSignature,
-               embeddings: dict[str, dict[str, np.ndarray]]) -> AppendResult:
+               embeddings: dict[str, dict[str, np.ndarray]], lock_timeout_s: float = LOCK_TIMEOUT_S) -> AppendResult:
         """Add ``pairs`` as one shard and commit the index.
 
         ``embeddings``: prompt -> {name: array of one prompt} for every prompt of ``pairs`` not yet stored
         (more are ignored). A pair whose id is stored with the same content hash is skipped; with another
-        content hash it is a ``ValueError`` naming the id, and nothing is written.
+        content hash it is a ``ValueError`` naming the id, and nothing is written. Another append holding the
+        store's lock past ``lock_timeout_s`` is a ``TimeoutError`` naming its process; nothing is written.
         """
         self.dir.mkdir(parents=True, exist_ok=True)
-        with _locked(self.dir / LOCK_FILE):
+        with _locked(self.dir / LOCK_FILE, lock_timeout_s):
             index = _read_index(self.dir)  # another ingest may have committed meanwhile
             if index.signature is not None and index.signature != signature:
                 raise ValueError(f"the offline store at {self.dir} holds latents of another model set-up ("
@@ -415,12 +417,29 @@ def _fsync_dir(path: Path) -> None:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, timeout_s: float) -> Iterator[None]:
+    """``path`` locked for this process (its pid written in it, for whoever waits), within ``timeout_s``."""
     import fcntl
 
+    deadline = time.monotonic() + timeout_s
     with open(path, "a+b") as f:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    f.seek(0)
+                    holder = f.read(32).decode(errors="replace").strip() or "unknown"
+                    raise TimeoutError(
+                        f"the offline store's lock {path} is held by another process (pid {holder}) for longer than "
+                        f"{timeout_s:g} s: another ingest into this store is running or stuck (stopped with Ctrl-Z?). "
+                        "Let it finish or end it, then run again; nothing was written.") from None
+                time.sleep(0.05)
         try:
+            f.truncate(0)
+            f.write(str(os.getpid()).encode())
+            f.flush()
             yield
         finally:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)

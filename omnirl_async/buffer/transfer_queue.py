@@ -85,12 +85,20 @@ from omnirl_async.buffer.ref_wire import from_wire, is_wire
 from omnirl_async.buffer.rpc import answer, pack, request
 from omnirl_async.buffer.spec import BufferSpec
 from omnirl_async.protocol import RefillRequest, SampleMeta, SampleSource, SampleStatus
+from omnirl_async.waits import bounded_get
 
 __all__ = ["LOST_REASON", "READ_HOLD_S", "StorageUnit", "TransferQueueController", "RayReplayBuffer", "unit_for"]
 
 _METAS = msgspec.msgpack.Decoder(list[SampleMeta])
 _ENC = msgspec.msgpack.Encoder()
 RPC_GRACE_S = 30.0  # extra wait for the remote call itself beyond the buffer's own timeout
+_WHY = ("The actor may be overloaded (a large snapshot or batch) or stuck, or its node lost (see `ray status` and "
+        "`ray list actors`); the limit is the call's own timeout plus {grace:g} s.").format(grace=RPC_GRACE_S)
+
+
+def _get(refs, timeout_s: float, what: str):
+    """``ray.get`` on the buffer's actors within ``timeout_s``, or a TimeoutError naming ``what`` was awaited."""
+    return bounded_get(refs, timeout_s, f"replay buffer: {what}", _WHY, key=None)
 
 
 
@@ -133,7 +141,7 @@ class RayReplayBuffer(ReplayBuffer):
         buf = cls(controller, units, float(spec.capacity.put_timeout_s), spec.transport.producer_owned_payloads,
                   spec.transport.inline_max_bytes, spec.transport.max_pending_puts, spec.transport.put_linger_s,
                   owner=True)
-        ray.get(controller.assert_healthy.remote(), timeout=120)
+        _get(controller.assert_healthy.remote(), 120.0, "the new controller and storage units (starting)")
         return buf
 
     def __reduce__(self):
@@ -142,13 +150,13 @@ class RayReplayBuffer(ReplayBuffer):
                                   self._inline_max_bytes, self._max_pending_puts, self._put_linger_s))
 
     # ------------------------------------------------------------------ calls
-    def _wait(self, ref, timeout: float | None):
+    def _wait(self, ref, timeout: float | None, call: str):
         t = self._default_timeout if timeout is None else float(timeout)
-        return answer(ray.get(ref, timeout=t + RPC_GRACE_S))
+        return answer(_get(ref, t + RPC_GRACE_S, f"the controller's `{call}`"))
 
     def _call(self, name: str, *args):
         self.flush()
-        return self._wait(self._controller.call.remote(name, *args), 0.0)
+        return self._wait(self._controller.call.remote(name, *args), 0.0, name)
 
     def _send_puts(self, items: list[tuple], timeout: float) -> list[tuple]:
         """The sender's controller call: a batch of registrations; raises if the call itself fails. The payloads
@@ -160,7 +168,8 @@ class RayReplayBuffer(ReplayBuffer):
                 call = self._controller.put_many.remote(items, keeper.holder)
             else:  # ref bytes, inline arrays, nothing: one blob
                 call = self._controller.put_packed.remote(pack([items, keeper.holder]))
-            results, released = answer(ray.get(call, timeout=timeout + RPC_GRACE_S))
+            results, released = answer(_get(call, timeout + RPC_GRACE_S, f"the controller's `put` of {len(items)} "
+                                                                         "group(s)"))
         except BaseException:  # stored or not, this process will not hear of them again: a read finds them lost
             self._unregistered(items)
             raise
@@ -205,7 +214,8 @@ class RayReplayBuffer(ReplayBuffer):
                 ref, owner = held_refs.keeper_for(self._controller).keep(ray.put(payload)), producer
             else:
                 unit = self._units[unit_for(metas[0].tags.group_uid, len(self._units))]
-                ref = ray.get(unit.store.remote(payload), timeout=self._default_timeout + RPC_GRACE_S)[0]
+                ref = _get(unit.store.remote(payload), self._default_timeout + RPC_GRACE_S,
+                           f"storage unit {unit_for(metas[0].tags.group_uid, len(self._units))}'s `store`")[0]
         args = (_ENC.encode(metas), [ref], {k: v.to_list() for k, v in spec.items()}, row_nbytes, timeout, owner)
         if self._max_pending_puts == 0:  # each put waits for the controller
             status, value = self._send_puts([args], self._default_timeout if timeout is None else float(timeout))[0]
@@ -225,7 +235,7 @@ class RayReplayBuffer(ReplayBuffer):
 
     def drop_producer(self, producer: str) -> int:
         self.flush()  # this client's own puts first
-        return self._wait(self._controller.drop_producer.remote(str(producer)), 0.0)
+        return self._wait(self._controller.drop_producer.remote(str(producer)), 0.0, "drop_producer")
 
     def sample(self, batch_size: int, *, learner_version: int, timeout: float | None = None,
                source: SampleSource | str | None = None) -> SampledBatch:
@@ -238,21 +248,21 @@ class RayReplayBuffer(ReplayBuffer):
         ref = self._controller.sample.remote(request(
             batch_size, learner_version, timeout, None if source is None else SampleSource(source).value,
             self._take_acks()))
-        return SampleRequest(lambda: self._batch(*self._wait(ref, timeout)))
+        return SampleRequest(lambda: self._batch(*self._wait(ref, timeout, "sample")))
 
     def sample_tickets(self, below: int, *, learner_version: int) -> SampledBatch:
         self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_tickets.remote(
-            request(below, learner_version, self._take_acks())), 0.0))
+            request(below, learner_version, self._take_acks())), 0.0, "sample_tickets"))
 
     def sample_offline(self, num_online: int, *, learner_version: int, ratio: float | None = None) -> SampledBatch:
         self.flush()  # this client's own puts first
         return self._batch(*self._wait(self._controller.sample_offline.remote(
-            request(num_online, learner_version, ratio, self._take_acks())), 0.0))
+            request(num_online, learner_version, ratio, self._take_acks())), 0.0, "sample_offline"))
 
     def load_offline(self, run_dir: str) -> dict[str, Any]:
         self.flush()  # this client's own puts first
-        return self._wait(self._controller.load_offline.remote(str(run_dir)), 600.0)
+        return self._wait(self._controller.load_offline.remote(str(run_dir)), 600.0, "load_offline")
 
     def _take_acks(self) -> list[int]:
         with self._acks_lock:
@@ -282,14 +292,17 @@ class RayReplayBuffer(ReplayBuffer):
         parts = [(from_wire(tuple(p)) if isinstance(p, list) else p, rows) for p, rows in parts]  # lists: ref bytes
         refs = [p for p, _ in parts if not isinstance(p, dict)]
         try:
-            got = iter(ray.get(refs, timeout=self._default_timeout + RPC_GRACE_S) if refs else [])
+            got = iter(_get(refs, self._default_timeout + RPC_GRACE_S, f"the payloads of {len(refs)} group(s) "
+                                                                          "(their producers' object stores)")
+                       if refs else [])
             return metas, [(p if isinstance(p, dict) else next(got), rows) for p, rows in parts], info
         except ray.exceptions.ObjectLostError:
             pass
         local, keep, lost, start = [], [], [], 0
         for p, rows in parts:
             try:
-                arrays = p if isinstance(p, dict) else ray.get(p, timeout=self._default_timeout + RPC_GRACE_S)
+                arrays = p if isinstance(p, dict) else _get(p, self._default_timeout + RPC_GRACE_S,
+                                                            "a group's payload (its producer's object store)")
             except ray.exceptions.ObjectLostError:
                 arrays = None
             span = range(start, start + len(rows))
@@ -299,12 +312,13 @@ class RayReplayBuffer(ReplayBuffer):
             else:
                 local.append((arrays, rows))
                 keep.extend(span)
-        self._wait(self._controller.lose_taken.remote(_ENC.encode(lost)), 0.0)
+        self._wait(self._controller.lose_taken.remote(_ENC.encode(lost)), 0.0, "lose_taken")
         return [metas[i] for i in keep], local, {k: np.asarray(v)[keep] for k, v in info.items()}
 
     def get(self, keys: Sequence[str], fields: Sequence[str] | None = None) -> SampledBatch:
         self.flush()  # this client's own puts first
-        raw, parts, _, token = self._wait(self._controller.get.remote(request(list(keys), self._take_acks())), 0.0)
+        raw, parts, _, token = self._wait(self._controller.get.remote(request(list(keys), self._take_acks())), 0.0,
+                                          "get")
         metas = _METAS.decode(raw)
         try:
             kept, local, _ = self._fetch(metas, parts, {})
@@ -345,14 +359,14 @@ class RayReplayBuffer(ReplayBuffer):
 
     def snapshot(self, path: str) -> None:
         self.flush()  # this client's own puts first
-        self._wait(self._controller.snapshot.remote(str(path)), 600.0)  # lost groups: dropped and regenerated
+        self._wait(self._controller.snapshot.remote(str(path)), 600.0, "snapshot")  # lost groups: regenerated
 
     def restore(self, path: str) -> None:
         self.flush()  # this client's own puts first
-        self._wait(self._controller.restore.remote(str(path)), 600.0)
+        self._wait(self._controller.restore.remote(str(path)), 600.0, "restore")
 
     def assert_healthy(self) -> None:
-        ray.get(self._controller.assert_healthy.remote(), timeout=60)
+        _get(self._controller.assert_healthy.remote(), 60.0, "the controller's `assert_healthy`")
 
     def close(self) -> None:
         """Send this process's pending puts, then kill the actors if this client created them (other copies
@@ -363,7 +377,7 @@ class RayReplayBuffer(ReplayBuffer):
                 self.flush()
             acks = self._take_acks()
             if acks and self._controller is not None and not self._owner:  # the owner kills the controller
-                self._wait(self._controller.release.remote(acks), 0.0)
+                self._wait(self._controller.release.remote(acks), 0.0, "release")
         finally:
             self._close_actors()
 

@@ -300,15 +300,36 @@ class PendingUpdate:
         self._refs = refs or []  # the ranks' replies (none: it ran in this process)
         self._combine = combine
         self._metrics: Any = None
+        self._ok: set = set()  # replies seen to be values, not errors
 
     def wait(self, timeout_s: float) -> bool:
-        """Whether every rank has answered, waiting up to ``timeout_s`` for it (errors come with :meth:`result`)."""
+        """Whether :meth:`result` would answer now: every rank has replied, or one has failed (the others may be
+        blocked in a collective waiting for it); waits up to ``timeout_s`` for that. Errors come with ``result``."""
         if self._collect is None or not self._refs:
             return True
         import ray
 
-        _, pending = ray.wait(self._refs, num_returns=len(self._refs), timeout=timeout_s)
-        return not pending
+        deadline = time.monotonic() + timeout_s
+        pending = [ref for ref in self._refs if ref not in self._ok]
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return False
+            if any(self._failed(ref) for ref in ready):
+                return True
+        return True
+
+    def _failed(self, ref) -> bool:
+        import ray
+
+        if ref in self._ok:
+            return False
+        try:
+            ray.get(ref, timeout=0)
+        except ray.exceptions.RayError:
+            return True
+        self._ok.add(ref)
+        return False
 
     def result(self) -> Any:
         """The ranks' metrics, averaged (waiting for them); raises what :meth:`LearnerGroup.update` would."""

@@ -43,6 +43,7 @@ from omnirl_async.trainer.reports import RunReports
 from omnirl_async.trainer.run_dir import config_dict, wandb_resume_id, write_wandb_run_id
 from omnirl_async.trainer.trained_log import FILE_NAME as TRAINED_LOG_FILE
 from omnirl_async.trainer.trained_log import TrainedLog
+from omnirl_async.waits import bounded_get
 
 __all__ = ["BaseTrainer", "PreparedUpdate", "StepResult"]
 
@@ -197,9 +198,10 @@ class BaseTrainer(RunReports):
         """Call the dispatcher, in-process or as a Ray actor."""
         if isinstance(self.dispatcher, PromptDispatcher):
             return getattr(self.dispatcher, method)(*args, **kwargs)
-        import ray
-
-        return ray.get(getattr(self.dispatcher, method).remote(*args, **kwargs))
+        return bounded_get(getattr(self.dispatcher, method).remote(*args, **kwargs), self.wait_timeout_s,
+                           f"the prompt dispatcher's `{method}`",
+                           "Its calls answer at once: the dispatcher actor is alive but stuck, or its process is "
+                           "starved of CPU (`py-spy dump --pid <pid>` on it; see `ray list actors`).")
 
     # ------------------------------------------------------------------ weights
     def publish_weights(self) -> dict[str, float]:

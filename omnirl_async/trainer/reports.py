@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from omnirl_async.buffer.base import SampledBatch
+from omnirl_async.waits import bounded_get
 
 __all__ = ["RunReports"]
 
@@ -28,14 +29,20 @@ class RunReports:
 
     def validate(self) -> dict[str, float]:
         """Score the validation prompts on rollout worker 0 (it holds the newest weights)."""
-        import ray
-
         from omnirl_async.data.prompts import load_val_prompts
         from omnirl_async.models.evaluate import save_grid
 
         if self._val_prompts is None:
             self._val_prompts = load_val_prompts(self.config.data, self.config.data.val_max_samples)
-        out = ray.get(self.validation_worker().validate.remote(self._val_prompts, seed=self.config.data.seed))
+        n, limit = len(self._val_prompts), self.config.reward.timeout_s
+        reward = ("a reward call hangs (`reward.timeout_s` is unset: set it to bound each call)" if limit is None
+                  else f"the worker is stuck (each reward call is bounded by `reward.timeout_s` = {limit:g} s)")
+        what = f"step {self.global_step}: validation of {n} prompts on rollout worker 0"
+        out = bounded_get(self.validation_worker().validate.remote(self._val_prompts, seed=self.config.data.seed),
+                          self.wait_timeout_s, what,
+                          f"Likely causes: {reward}, or the worker ran out of memory; raise `trainer.wait_timeout_s` "
+                          "if validation is just slow (fewer prompts: `data.val_max_samples`; images per prompt: "
+                          "`actor_rollout_ref.rollout.val_kwargs.n`).")
         cap = self.config.trainer.validation_data_max_samples or 32
         strict = out["strict"][:cap] > 0.5 if out["strict"] is not None else None
         title = f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}"
@@ -57,8 +64,9 @@ class RunReports:
             return self.workers[0]
         if self._validator is None:
             self._validator = self.make_worker(0)
-        ray.get(self._validator.set_weights.remote(self.version, ray.put(self.learners.get_weights())),
-                timeout=self.wait_timeout_s)
+        bounded_get(self._validator.set_weights.remote(self.version, ray.put(self.learners.get_weights())),
+                    self.wait_timeout_s, f"the validation worker, installing weights version {self.version},",
+                    "It may still be loading the model, or Ray lacks the CPUs/GPUs it asks for (see `ray status`).")
         return self._validator
 
     def log_rollout_samples(self, batch: SampledBatch, num: int = 8) -> None:

@@ -65,6 +65,7 @@ from omnirl_async.learners.weight_store import WeightStore
 from omnirl_async.metrics import Timer
 from omnirl_async.trainer.auto_threshold import StepSignals, ThresholdController
 from omnirl_async.trainer.base import BaseTrainer, PreparedUpdate, StepResult
+from omnirl_async.waits import bounded_get
 
 __all__ = ["SeparateAsyncTrainer"]
 
@@ -230,13 +231,20 @@ class SeparateAsyncTrainer(BaseTrainer):
         """What the dispatcher, the buffer and the workers hold, for timeout messages."""
         buf = self.buffer.metrics()
         failed = {k.rsplit("/", 1)[-1]: int(v) for k, v in buf.items() if k.startswith("buffer/failed/")}
-        return (f"dispatcher: tickets issued {self.dcall('tickets_issued')}, done below "
-                f"{self.dcall('tickets_done')}, leases outstanding {self.dcall('num_outstanding')}, epoch "
-                f"{self.dcall('epoch_now')}, exhausted {self.dcall('exhausted')}; buffer: "
+        try:
+            dispatcher = self.describe_dispatcher()
+        except TimeoutError:  # the dispatcher is what hangs: this message is already the one to read
+            dispatcher = "dispatcher: did not answer"
+        return (f"{dispatcher}; buffer: "
                 f"{int(buf.get('buffer/ready_samples', 0))} ready samples in {int(buf.get('buffer/ready_groups', 0))} "
                 f"groups, {int(buf.get('buffer/incomplete_groups', 0))} incomplete groups, "
                 f"{int(buf.get('buffer/dropped_stale', 0))} dropped stale, failed samples by kind {failed or 'none'}; "
                 f"rollout workers replaced so far: {self.replaced_workers}; learner version {self.version}")
+
+    def describe_dispatcher(self) -> str:
+        return (f"dispatcher: tickets issued {self.dcall('tickets_issued')}, done below "
+                f"{self.dcall('tickets_done')}, leases outstanding {self.dcall('num_outstanding')}, epoch "
+                f"{self.dcall('epoch_now')}, exhausted {self.dcall('exhausted')}")
 
     def _wait_until(self, ready, what: str, timer: Timer, on_poll=None) -> None:
         """Poll ``ready()`` (checking workers and reward failures, calling ``on_poll()`` every ``land_every_s``)
@@ -321,7 +329,11 @@ class SeparateAsyncTrainer(BaseTrainer):
         if not self.sample_ahead_enabled or (cap and self.global_step + 1 >= int(cap)):
             return None
         last_take = 0.0
+        # a learner that neither answers nor fails: after wait_timeout_s the update's own wait (result()) names it
+        deadline = time.monotonic() + self.wait_timeout_s
         while (batch := self.next_batch(timer, ahead=True)) is None:
+            if time.monotonic() >= deadline:
+                return None
             if (self.strategy == "wait" and self.land_every_s is not None
                     and time.monotonic() - last_take >= self.land_every_s):
                 with timer("sample_ahead"):
@@ -391,6 +403,8 @@ class SeparateAsyncTrainer(BaseTrainer):
                 stats.append(ray.get(ref, timeout=60))
             except ray.exceptions.RayActorError:
                 continue  # died since check_workers(); replaced on the next check
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy (a replacement still loading its model): its figures join the next step's
         if not stats:
             return {}
         wall = sum(s["wall_s"] for s in stats) or 1.0
@@ -511,10 +525,11 @@ class SeparateAsyncTrainer(BaseTrainer):
 
     def validate(self) -> dict[str, float]:
         """Validate the learner's current version: quiesce leasing, let worker 0 install it, score, resume."""
-        import ray
-
         with self.quiesced("validation"):
-            got = ray.get(self.validation_worker().pull_weights.remote(self.store), timeout=self.wait_timeout_s)
+            got = bounded_get(self.validation_worker().pull_weights.remote(self.store), self.wait_timeout_s,
+                              f"rollout worker 0, pulling weights version {self.version} before validation,",
+                              "It may be stuck in a reward call of its own groups (`reward.timeout_s` bounds them) "
+                              "or out of memory.")
             if got != self.version:
                 raise RuntimeError(f"rollout worker 0 holds weights version {got} after pulling; the learner "
                                    f"published {self.version}")

@@ -125,7 +125,7 @@ def wait_held(producer, want: int, within: float = 15.0) -> tuple[int, int]:
 
 def ack(buf: RayReplayBuffer) -> None:
     """What the reader's next read call does first: acknowledge the batches it has read."""
-    buf._wait(buf._controller.release.remote(buf._take_acks()), 0.0)
+    buf._wait(buf._controller.release.remote(buf._take_acks()), 0.0, "release")
 
 
 @pytest.mark.slow  # a Ray session, producer actors, seconds of polling

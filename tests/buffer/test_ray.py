@@ -338,7 +338,7 @@ def make_buf(ray_session):
 
 
 def _held(buf: RayReplayBuffer) -> int:
-    return buf._wait(buf._controller.release.remote([]), 0.0)
+    return buf._wait(buf._controller.release.remote([]), 0.0, "release")
 
 
 def test_the_controller_keeps_a_batchs_refs_until_the_reader_has_read_it(make_buf):

@@ -173,6 +173,40 @@ def test_store_commits_atomically(tmp_path, config):
     assert "contents changed" in reopened.verify()[0]
 
 
+def test_an_append_waits_for_another_ingests_lock_within_its_limit_and_names_the_holder(tmp_path, config):
+    """Another process holding the store's lock (an ingest stopped with Ctrl-Z): a bounded wait, a message with its
+    pid, nothing written; once it lets go, the append goes through."""
+    import subprocess
+    import sys
+    import time
+
+    from omnirl_async.buffer.offline_store import LOCK_FILE
+
+    sig = store_signature(config)
+    store = OfflineStore(tmp_path / "run")
+    emb = {"p": {"prompt_embeds": np.ones((17, 64), np.float32), "pooled_prompt_embeds": np.ones(64, np.float32)}}
+    pair = NewPair(id="a", content_hash="ha", prompt="p", chosen=np.ones(LATENT_SHAPE, np.float32),
+                   rejected=np.zeros(LATENT_SHAPE, np.float32), chosen_ref="a", rejected_ref="b", dataset="d")
+    store.dir.mkdir(parents=True)
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"f = open({str(store.dir / LOCK_FILE)!r}, 'a+b'); fcntl.flock(f.fileno(), fcntl.LOCK_EX)\n"
+        "f.truncate(0); f.write(str(os.getpid()).encode()); f.flush(); print('held', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            store.append([pair], signature=sig, embeddings=emb, lock_timeout_s=0.5)
+        assert 0.5 <= time.monotonic() - t0 < 5
+        assert f"lock {store.dir / LOCK_FILE} is held by another process (pid {holder.pid})" in str(err.value)
+        assert "nothing was written" in str(err.value) and len(OfflineStore(tmp_path / "run")) == 0
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+    assert store.append([pair], signature=sig, embeddings=emb, lock_timeout_s=5).added == 1
+
+
 def test_cli_exits_2_with_the_message_only(planted, tmp_path, capsys):
     from omnirl_async.cli import main
 

@@ -14,6 +14,7 @@ import torch
 from omnirl_async.config import load_config
 from omnirl_async.learners.learner import Learner
 from omnirl_async.learners.learner_group import LearnerDiedError, LearnerGroup, wait_for_learners
+from omnirl_async.waits import bounded_get
 from tests.ray_kill import kill_and_wait_until_dead
 
 
@@ -158,6 +159,62 @@ def sleepers(ray_cluster):
     yield actors
     for a in actors:
         ray_cluster.kill(a)
+
+
+def test_bounded_get_answers_in_time_and_names_what_did_not(ray_cluster):
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Slow:
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+        def fail(self) -> None:
+            raise ValueError("bad input 7")
+
+    actor = Slow.options(max_concurrency=4).remote()  # a nap left running does not hold up the next call
+    try:
+        assert bounded_get(actor.nap.remote(0.0), 30, "a nap", "why") == 0.0
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError) as err:
+            bounded_get(actor.nap.remote(5.0), 0.5, "the dispatcher's `lease`", "It may be stuck.")
+        assert time.monotonic() - t0 < 3
+        assert str(err.value) == ("the dispatcher's `lease` got no answer within `trainer.wait_timeout_s` = 0.5 s. "
+                                  "It may be stuck.") and err.value.__cause__ is None
+        with pytest.raises(TimeoutError, match=r"^replay buffer: x got no answer within 0.25 s\. y$"):
+            bounded_get(actor.nap.remote(5.0), 0.25, "replay buffer: x", "y", key=None)
+        with pytest.raises(ValueError, match="bad input 7"):  # the call's own error passes through
+            bounded_get(actor.fail.remote(), 30, "a call", "why")
+    finally:
+        ray.kill(actor)
+
+
+def test_a_pending_update_is_answerable_as_soon_as_one_rank_failed(ray_cluster):
+    """The loop polls ``wait`` while it samples ahead: a rank that failed ends that at once (the others may be
+    blocked in a collective for ever); one still working does not."""
+    from omnirl_async.learners.learner_group import PendingUpdate
+
+    @ray_cluster.remote(num_cpus=0)
+    class Rank:
+        def nap(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+        def fail(self) -> None:
+            raise RuntimeError("Connection closed by peer")
+
+    working, failing = Rank.remote(), Rank.remote()
+    try:
+        healthy = PendingUpdate(lambda: None, [working.nap.remote(0.0), failing.nap.remote(1.0)])
+        assert not healthy.wait(0.2)  # one answered (a value), one still working
+        refs = [working.nap.remote(20.0), failing.fail.remote()]
+        t0 = time.monotonic()
+        assert PendingUpdate(lambda: None, refs).wait(15.0) and time.monotonic() - t0 < 5
+        assert healthy.wait(10.0)
+    finally:
+        ray.kill(working)
+        ray.kill(failing)
 
 
 def test_wait_for_learners_returns_replies_by_rank(sleepers):

@@ -7,7 +7,9 @@ every prompt was trained exactly once.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -170,6 +172,24 @@ def test_a_hanging_reward_hits_the_wait_timeout_with_a_diagnosis(ray_cluster, sm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+def test_a_reward_hanging_in_validation_hits_the_wait_timeout_naming_validation(ray_cluster, small_overrides,
+                                                                                tmp_path, mode):
+    """Validation before training, a reward that sleeps 60 s per call and no `reward.timeout_s`: the driver's wait
+    for the validation worker is bounded too (it waited for every call to end)."""
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:4], f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=hangs", "trainer.wait_timeout_s=20", "trainer.val_before_train=true",
+               "data.val_max_samples=2")
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError) as err:
+        TaskRunner(cfg, printer=lambda *a: None).run()
+    assert time.monotonic() - t0 < 58
+    assert str(err.value).startswith("step 0: validation of 2 prompts on rollout worker 0 got no answer within "
+                                     "`trainer.wait_timeout_s` = 20 s. Likely causes: a reward call hangs "
+                                     "(`reward.timeout_s` is unset: set it to bound each call)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 def test_inline_reward_timeout_fails_the_slow_groups(ray_cluster, small_overrides, tmp_path, mode):
     """`reward.timeout_s` bounds inline scoring too: a call past it fails its group with kind `timeout`."""
     cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS, f"reward.custom_reward_function.path={FLAKY}",
@@ -230,6 +250,42 @@ def test_a_dead_learner_gives_one_message_with_its_rank_and_the_checkpoint(ray_c
     assert msg.startswith("learner rank 0 died during `update`; training cannot continue without it. Cause: ")
     assert msg.endswith(f"the last complete checkpoint is {tmp_path / 'ckpt' / 'global_step_2'}; rerun with "
                         "`trainer.resume_mode=auto` to continue from it")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_a_hung_learner_is_a_timeout_naming_the_update_in_both_modes(ray_cluster, small_overrides, tmp_path, mode):
+    """A learner that neither answers nor dies (SIGSTOPped: a rank stuck in a collective looks the same to the
+    loop). Threshold 0: no batch for the next step can be ready while the update is out, so separate_async's
+    look-ahead for it is what must give up – it used to poll the frozen update for ever."""
+    from omnirl_async.trainer.separate_async import SeparateAsyncTrainer
+    from omnirl_async.trainer.sync import SyncTrainer
+
+    class FreezeLearner(SyncTrainer if mode == "sync" else SeparateAsyncTrainer):
+        pid = None
+
+        def start_update(self, prepared):
+            if self.pid is None:
+                self.pid = self.learners.assert_healthy()[0]["pid"]
+            if self.global_step == 1:
+                os.kill(self.pid, signal.SIGSTOP)
+            return super().start_update(prepared)
+
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS[:8], "trainer.wait_timeout_s=20",
+               "trainer.v1.sampler.max_off_policy_threshold=0")
+    trainer = FreezeLearner(cfg, PROMPTS[:8], printer=lambda *a: None)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError) as err:
+            trainer.fit()
+    finally:
+        if trainer.pid is not None:
+            os.kill(trainer.pid, signal.SIGCONT)
+        trainer.stop()  # kills the hung learner rather than asking it to leave its process group
+    assert time.monotonic() - t0 < 100  # separate_async: 20 s looking ahead, then 20 s for the update's reply
+    assert str(err.value).startswith("learner call `update` got no answer from rank(s) [0] within "
+                                     "`trainer.wait_timeout_s` = 20 s.")
+    assert trainer.learners.hung and not trainer.learners.actors
 
 
 @pytest.mark.slow  # separate_async only: sync never starts an update before its step
