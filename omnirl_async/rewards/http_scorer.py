@@ -91,14 +91,40 @@ def _score_endpoint(url: str) -> tuple[str, str, int | None, str]:
 
 def _post(scheme: str, host: str, port: int | None, path: str, body: bytes, timeout: float,
           headers: dict[str, str]) -> tuple[int, bytes]:
+    """One attempt, the whole of it (connect, send, the answer to its last byte) within ``timeout`` seconds: a
+    socket's own timeout bounds each read alone, and a server dripping its answer would stretch it without end."""
+    deadline = time.monotonic() + timeout
     conn_cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(host, port, timeout=timeout)
     try:
-        conn.request("POST", path, body=body, headers={"Content-Type": CONTENT_TYPE, **headers})
-        resp = conn.getresponse()
-        return resp.status, resp.read()
+        return _exchange(conn, path, body, headers, deadline, timeout)
+    except TimeoutError:  # the socket's own, or the deadline's: one message
+        raise TimeoutError(f"no complete answer within {timeout:g} s") from None
     finally:
         conn.close()
+
+
+def _exchange(conn, path: str, body: bytes, headers: dict[str, str], deadline: float,
+              timeout: float) -> tuple[int, bytes]:
+    conn.request("POST", path, body=body, headers={"Content-Type": CONTENT_TYPE, **headers})
+    _time_left(conn, deadline, timeout)
+    resp = conn.getresponse()
+    chunks = []
+    while True:  # read1: at most one read of the socket each, so the deadline is checked between them
+        _time_left(conn, deadline, timeout)
+        chunk = resp.read1(1 << 16)
+        if not chunk:
+            return resp.status, b"".join(chunks)
+        chunks.append(chunk)
+
+
+def _time_left(conn, deadline: float, timeout: float) -> None:
+    """The socket's timeout cut to what is left of the attempt; none left: ``TimeoutError`` (retried)."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError(f"no complete answer within {timeout:g} s")
+    if conn.sock is not None:
+        conn.sock.settimeout(left)
 
 
 @register_reward("http_scorer")

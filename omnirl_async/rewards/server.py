@@ -168,6 +168,8 @@ class _Batcher:
     wait_s: float
     concurrency: int
     delay_s: float
+    timeout_s: float  # a batch's scoring past it fails its requests (the thread is left to finish)
+    name: str
     stats: dict = field(default_factory=lambda: {"requests": 0, "batches": 0, "images": 0})
 
     def __post_init__(self):
@@ -237,7 +239,15 @@ class _Batcher:
             self.stats["batches"] += 1
             self.stats["images"] += len(prompts)
             loop = asyncio.get_running_loop()
-            score, extra, reasons = await loop.run_in_executor(self._executor, self.score, images, prompts, rows)
+            try:
+                score, extra, reasons = await asyncio.wait_for(
+                    loop.run_in_executor(self._executor, self.score, images, prompts, rows), self.timeout_s)
+            except asyncio.TimeoutError:
+                logger.warning("reward %r took over %g s for a batch of %d images", self.name, self.timeout_s,
+                               len(prompts))
+                raise _RewardFailed(f"reward `{self.name}` did not return within the server's score timeout "
+                                    f"({self.timeout_s:g} s, `--score-timeout`) for a batch of {len(prompts)} "
+                                    "images: it hangs, or needs a longer timeout") from None
             lo = 0
             for p in batch:
                 hi = lo + len(p.prompts)
@@ -269,6 +279,8 @@ class RewardServer:
         max_batch: most images per request and per batch; bigger requests get a 400.
         batch_wait_s: how long the batcher waits after a request for others to join it.
         max_concurrency: batches scored at the same time (threads).
+        score_timeout_s: longest a batch's scoring may take; past it, its requests get HTTP 500 naming the
+            limit (a reward that hangs still holds its thread, but no client waits on it for ever).
         token: bearer token required by ``/score``; None = no authentication.
         reward_kwargs: keyword arguments for every call of the reward.
 
@@ -291,6 +303,7 @@ class RewardServer:
         max_batch: int = 256,
         batch_wait_s: float = 0.005,
         max_concurrency: int = 2,
+        score_timeout_s: float = 300.0,
         token: str | None = None,
         reward_kwargs: Mapping[str, Any] | None = None,
     ):
@@ -308,6 +321,8 @@ class RewardServer:
         for name, value in (("delay_s", delay_s), ("batch_wait_s", batch_wait_s)):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"`{name}` must be a finite number >= 0 (seconds), got {value!r}")
+        if not (isinstance(score_timeout_s, (int, float)) and math.isfinite(score_timeout_s) and score_timeout_s > 0):
+            raise ValueError(f"`score_timeout_s` must be a finite number > 0 (seconds), got {score_timeout_s!r}")
         for name, value in (("max_batch", max_batch), ("max_concurrency", max_concurrency)):
             if not (isinstance(value, int) and value >= 1):
                 raise ValueError(f"`{name}` must be an int >= 1, got {value!r}")
@@ -316,6 +331,7 @@ class RewardServer:
         self.host, self.port = host, port
         self.delay_s, self.batch_wait_s = float(delay_s), float(batch_wait_s)
         self.max_batch, self.max_concurrency = max_batch, max_concurrency
+        self.score_timeout_s = float(score_timeout_s)
         self.token = token
         self.reward_kwargs = dict(reward_kwargs or {})
         self._batcher: _Batcher | None = None
@@ -345,7 +361,8 @@ class RewardServer:
 
         async def on_startup(_app):
             self._batcher = _Batcher(self._score, max_batch=self.max_batch, wait_s=self.batch_wait_s,
-                                     concurrency=self.max_concurrency, delay_s=self.delay_s)
+                                     concurrency=self.max_concurrency, delay_s=self.delay_s,
+                                     timeout_s=self.score_timeout_s, name=self.reward_name)
             self._batcher.start()
 
         async def on_cleanup(_app):
@@ -462,6 +479,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     parser.add_argument("--token-env", default=DEFAULT_TOKEN_ENV,
                         help="environment variable holding the bearer token /score requires (unset = no token)")
     parser.add_argument("--delay", type=float, default=0.0, help="seconds each batch sleeps (slow-model stand-in)")
+    parser.add_argument("--score-timeout", type=float, default=300.0,
+                        help="seconds a batch's scoring may take; past it its requests get HTTP 500 naming it")
     return parser
 
 
@@ -493,7 +512,7 @@ def serve(reward: str | Callable, args: argparse.Namespace, *, prog: str) -> int
     token = os.environ.get(args.token_env) or None
     server = RewardServer(reward, host=args.host, port=args.port, delay_s=args.delay, max_batch=args.max_batch,
                           batch_wait_s=args.batch_wait_ms / 1000.0, max_concurrency=args.concurrency,
-                          token=token, reward_kwargs=kwargs)
+                          score_timeout_s=args.score_timeout, token=token, reward_kwargs=kwargs)
     url = server.start()
     auth = f"bearer token from ${args.token_env}" if token else f"no token (${args.token_env} is unset)"
     print(f"serving reward {server.reward_name!r} at {url} (max batch {server.max_batch}, {auth}); Ctrl-C stops",

@@ -147,6 +147,65 @@ def test_reward_that_raises_gives_500_and_client_runtime_error():
             http_scorer(images, prompts, url=s.url)
 
 
+def test_a_batch_past_the_score_timeout_fails_its_requests_and_the_server_keeps_serving():
+    def slow_on_request(images, prompts, **_):
+        if prompts[0] == "slow":
+            time.sleep(3.0)  # a reward that hangs (its thread is left to finish)
+        return np.ones(len(prompts))
+
+    images = np.zeros((1, 4, 4, 3), np.uint8)
+    with pytest.raises(ValueError, match=r"`score_timeout_s` must be a finite number > 0 \(seconds\), got 0"):
+        ScorerServer(slow_on_request, score_timeout_s=0)
+    with ScorerServer(slow_on_request, score_timeout_s=0.3) as s:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            http_scorer(images, ["slow"], url=s.url, timeout=30)
+        assert time.monotonic() - t0 < 2.5
+        assert "HTTP 500" in str(info.value) and ("reward `slow_on_request` did not return within the server's "
+                                                  "score timeout (0.3 s, `--score-timeout`) for a batch of 1 images"
+                                                  ) in str(info.value)
+        assert http_scorer(images, ["fast"], url=s.url)["score"].tolist() == [1.0]  # the other thread serves
+
+
+def test_a_server_dripping_its_answer_is_cut_at_the_attempts_timeout():
+    """Each byte comes within the socket's own timeout, the whole answer never does: the attempt is bounded."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)
+    stop = threading.Event()
+
+    def drip():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(1 << 20)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/msgpack\r\nContent-Length: 1000\r\n\r\n")
+                for _ in range(1000):
+                    if stop.wait(0.1):
+                        break
+                    try:
+                        conn.sendall(b"x")
+                    except OSError:
+                        break
+
+    thread = threading.Thread(target=drip, daemon=True)
+    thread.start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            http_scorer(np.zeros((1, 4, 4, 3), np.uint8), ["a"], url=f"http://127.0.0.1:{listener.getsockname()[1]}",
+                        timeout=1.0, retries=0)
+        assert time.monotonic() - t0 < 3
+        assert "(timeout 1 s each); last error: TimeoutError: no complete answer within 1 s" in str(info.value)
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(timeout=10)
+
+
 def test_unreachable_url_retries_then_fails_and_manager_marks_batch_failed():
     url = _dead_url()
     images, prompts = np.zeros((3, 4, 4, 3), np.uint8), ["a", "b", "c"]
