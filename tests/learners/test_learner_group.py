@@ -161,19 +161,20 @@ def sleepers(ray_cluster):
         ray_cluster.kill(a)
 
 
+class _Rank:
+    """A stand-in learner rank: naps, or fails with ``message``."""
+
+    def nap(self, seconds: float) -> float:
+        time.sleep(seconds)
+        return seconds
+
+    def fail(self, message: str) -> None:
+        raise RuntimeError(message)
+
+
 def test_bounded_get_answers_in_time_and_names_what_did_not(ray_cluster):
-    ray = ray_cluster
-
-    @ray.remote(num_cpus=0)
-    class Slow:
-        def nap(self, seconds: float) -> float:
-            time.sleep(seconds)
-            return seconds
-
-        def fail(self) -> None:
-            raise ValueError("bad input 7")
-
-    actor = Slow.options(max_concurrency=4).remote()  # a nap left running does not hold up the next call
+    # max_concurrency: a nap left running does not hold up the next call
+    actor = ray_cluster.remote(num_cpus=0)(_Rank).options(max_concurrency=4).remote()
     try:
         assert bounded_get(actor.nap.remote(0.0), 30, "a nap", "why") == 0.0
         t0 = time.monotonic()
@@ -184,10 +185,10 @@ def test_bounded_get_answers_in_time_and_names_what_did_not(ray_cluster):
                                   "It may be stuck.") and err.value.__cause__ is None
         with pytest.raises(TimeoutError, match=r"^replay buffer: x got no answer within 0.25 s\. y$"):
             bounded_get(actor.nap.remote(5.0), 0.25, "replay buffer: x", "y", key=None)
-        with pytest.raises(ValueError, match="bad input 7"):  # the call's own error passes through
-            bounded_get(actor.fail.remote(), 30, "a call", "why")
+        with pytest.raises(RuntimeError, match="bad input 7"):  # the call's own error passes through
+            bounded_get(actor.fail.remote("bad input 7"), 30, "a call", "why")
     finally:
-        ray.kill(actor)
+        ray_cluster.kill(actor)
 
 
 def test_a_pending_update_is_answerable_as_soon_as_one_rank_failed(ray_cluster):
@@ -195,20 +196,12 @@ def test_a_pending_update_is_answerable_as_soon_as_one_rank_failed(ray_cluster):
     blocked in a collective for ever); one still working does not."""
     from omnirl_async.learners.learner_group import PendingUpdate
 
-    @ray_cluster.remote(num_cpus=0)
-    class Rank:
-        def nap(self, seconds: float) -> float:
-            time.sleep(seconds)
-            return seconds
-
-        def fail(self) -> None:
-            raise RuntimeError("Connection closed by peer")
-
-    working, failing = Rank.remote(), Rank.remote()
+    rank = ray_cluster.remote(num_cpus=0)(_Rank)
+    working, failing = rank.remote(), rank.remote()
     try:
         healthy = PendingUpdate(lambda: None, [working.nap.remote(0.0), failing.nap.remote(1.0)])
         assert not healthy.wait(0.2)  # one answered (a value), one still working
-        refs = [working.nap.remote(20.0), failing.fail.remote()]
+        refs = [working.nap.remote(20.0), failing.fail.remote("Connection closed by peer")]
         t0 = time.monotonic()
         assert PendingUpdate(lambda: None, refs).wait(15.0) and time.monotonic() - t0 < 5
         assert healthy.wait(10.0)
