@@ -260,7 +260,8 @@ class RolloutWorker:
         res = evaluate_policy(self.policy, self.reward, prompts, self.rollout_cfg.val_kwargs, seed=seed,
                               **validation_settings(self.config))
         return {"metrics": res.metrics, "images": res.images, "prompts": res.prompts,
-                "strict": next((v for k, v in res.extra.items() if k.endswith("strict")), None)}
+                "strict": next((v for k, v in res.extra.items() if k.endswith("strict")), None),
+                "failures": res.failure_note()}
 
     def _finish_group(self, group, dispatcher, buffer, put_timeout: float, worker_id: str) -> None:
         """Score, put into the buffer, complete the lease (one group, in a pool thread)."""

@@ -109,6 +109,7 @@ class Tracking:
     _CONSOLE_KEYS = ("critic/rewards/mean", "critic/score/tiny_geneval/strict/mean", "actor/pg_loss", "actor/ppo_kl",
                      "actor/pg_clipfrac", "actor/grad_norm", "perf/throughput", "timing_s/step",
                      "training/off_policy/trajectory_staleness/mean")
+    _CONSOLE_VAL_KEYS = ("val/score", "val/strict", "val/overall", "val/failed_frac")
 
     def __init__(self, trainer_cfg, *, printer=print, config: Mapping | None = None, wandb_id: str | None = None):
         loggers = trainer_cfg.logger
@@ -165,6 +166,9 @@ class Tracking:
             self.wandb_run.log(scalars, step=step)
         if "console" in self.backends:
             shown = [f"{k}={data[k]:.4g}" for k in self._CONSOLE_KEYS if k in data]
+            shown += [f"{k}={data[k]:.4g}" for k in self._CONSOLE_VAL_KEYS if k in data]  # a validation step
+            if data.get("reward/failed_frac"):  # samples whose reward failed: say so while it happens
+                shown.append(f"reward/failed_frac={data['reward/failed_frac']:.4g}")
             self.printer(f"step {step}: " + "  ".join(shown))
 
     def log_histogram(self, key: str, values, step: int) -> None:

@@ -21,6 +21,7 @@ category with few prompts counts as much as one with many.
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +43,23 @@ class EvalResult:
     extra: dict[str, np.ndarray] = field(default_factory=dict)
     failed: np.ndarray | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    reasons: list[str | None] | None = None  # why each failed sample failed (None: it did not)
+
+    def failure_note(self) -> str | None:
+        """One line on the samples the reward failed (scored 0 in the metrics), with the commonest reason; None
+        when none failed."""
+        if self.failed is None or not self.failed.any():
+            return None
+        n, k = len(self.failed), int(self.failed.sum())
+        reasons = collections.Counter(r for r, f in zip(self.reasons or [None] * n, self.failed) if f and r)
+        why = ""
+        if reasons:
+            reason, count = reasons.most_common(1)[0]
+            why = f"; {'all' if count == k else count} of them: {reason}"
+        every = "every sample" if k == n else f"{k} of {n} samples"
+        return (f"the reward failed {every} (scored 0 in val/*, `val/failed_frac` = {k / n:.3f}){why}. A reward "
+                "that needs the prompt rows' fields (e.g. `ground_truth`) needs validation prompts that carry them: "
+                "`data.val_files`")
 
 
 def _category(prompt: str) -> str | None:
@@ -123,7 +141,8 @@ def evaluate_policy(policy, reward, prompts: list[str], val_cfg, *, seed: int = 
     scores = np.where(scored.failed, 0.0, scored.scores).astype(np.float32)
     metrics = summarize(all_prompts, scores, scored.extra)
     metrics["val/failed_frac"] = float(np.mean(scored.failed))
-    return EvalResult(all_prompts, imgs, scores, dict(scored.extra), scored.failed, metrics)
+    return EvalResult(all_prompts, imgs, scores, dict(scored.extra), scored.failed, metrics,
+                      list(getattr(scored, "reasons", None) or []) or None)
 
 
 def save_grid(images: np.ndarray, captions: list[str], path: str | Path, *, cols: int = 8, scale: int = 4,

@@ -43,6 +43,8 @@ class RunReports:
                           f"Likely causes: {reward}, or the worker ran out of memory; raise `trainer.wait_timeout_s` "
                           "if validation is just slow (fewer prompts: `data.val_max_samples`; images per prompt: "
                           "`actor_rollout_ref.rollout.val_kwargs.n`).")
+        if out.get("failures"):
+            self.printer(f"step {self.global_step}: validation: {out['failures']}")
         cap = self.config.trainer.validation_data_max_samples or 32
         strict = out["strict"][:cap] > 0.5 if out["strict"] is not None else None
         title = f"step {self.global_step} strict={out['metrics'].get('val/strict', 0):.3f}"

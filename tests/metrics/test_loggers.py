@@ -46,6 +46,33 @@ def _log_a_run(tmp_path: Path, loggers: list[str], printer=print) -> tuple[Track
     return tr, grid
 
 
+def test_the_console_shows_validation_and_failed_rewards_when_a_step_has_them(tmp_path):
+    lines: list[str] = []
+    tr = Tracking(_trainer_cfg(tmp_path, ["console"]), config=CONFIG, printer=lines.append)
+    tr.log({"val/score": 0.25, "val/overall": 0.5, "val/failed_frac": 0.0, "val/clause/count": 0.75}, step=0)
+    tr.log({"critic/rewards/mean": 0.5, "reward/failed_frac": 0.0}, step=1)
+    tr.log({"critic/rewards/mean": 0.5, "reward/failed_frac": 0.125}, step=2)
+    tr.close()
+    assert lines == ["step 0: val/score=0.25  val/overall=0.5  val/failed_frac=0",
+                     "step 1: critic/rewards/mean=0.5", "step 2: critic/rewards/mean=0.5  reward/failed_frac=0.125"]
+
+
+def test_an_evaluation_whose_reward_failed_says_how_many_and_why():
+    from omnirl_async.models.evaluate import EvalResult
+
+    def result(failed, reasons):
+        return EvalResult([], np.zeros((0, 1, 1, 3), np.uint8), np.zeros(0), failed=np.array(failed), reasons=reasons)
+
+    assert result([False, False], [None, None]).failure_note() is None
+    note = result([True, True, True], ["reward `colour` raised KeyError: 'ground_truth'"] * 3).failure_note()
+    assert note == ("the reward failed every sample (scored 0 in val/*, `val/failed_frac` = 1.000); all of them: "
+                    "reward `colour` raised KeyError: 'ground_truth'. A reward that needs the prompt rows' fields "
+                    "(e.g. `ground_truth`) needs validation prompts that carry them: `data.val_files`")
+    some = result([True, False, True, True], ["a", None, "b", "a"]).failure_note()
+    assert some.startswith("the reward failed 3 of 4 samples (scored 0 in val/*, `val/failed_frac` = 0.750); 2 of "
+                           "them: a.")
+
+
 def test_tensorboard_gets_scalars_images_captions_and_the_config(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
