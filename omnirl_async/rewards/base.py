@@ -122,7 +122,7 @@ def failure_kind(reason: str | None) -> str:
     text = reason or ""
     if "reward.timeout_s" in text or " timed out" in text:  # a pool / inline call, or a judge request
         return "timeout"
-    if "no reward worker left" in text:
+    if "no reward worker left" in text or "every reward worker tried died on it" in text:
         return "no_worker"
     if " raised " in text:
         return "raised"

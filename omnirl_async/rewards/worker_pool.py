@@ -20,10 +20,15 @@ an actor Ray cannot place; so is a pool that does not start within
 ``timeout_s``.
 
 Failures are data, as inline: a reward function that raises or returns bad
-values marks samples failed inside the actor. An actor that dies is dropped
-from the rotation and the group is retried on the next one; when no actor is
-left (or a call outlives ``reward.timeout_s``) every sample of the group is
-marked failed with the reason, and training goes on without it.
+values marks samples failed inside the actor. An actor whose process dies (a
+crash in a native library, out of memory) is restarted by Ray, up to
+``RESTARTS`` times each (its model is built again); the group it was scoring
+is tried again once it is back (Ray reports the call as unavailable) or on
+the other actors, and when every actor died on it (or a call outlives
+``reward.timeout_s``) every sample of the group is marked failed with the
+reason, and training goes on without it. An actor that died more
+than ``RESTARTS`` times leaves the rotation; with none left, every group fails
+with that reason (and ``reward.max_failed_frac`` stops the job).
 """
 
 from __future__ import annotations
@@ -38,8 +43,13 @@ import numpy as np
 from omnirl_async.rewards.base import RewardResult
 from omnirl_async.rewards.manager import RewardManager
 
-__all__ = ["RewardWorker", "RewardPool", "make_reward_actors", "reward_actor_options", "check_gpus_available",
-           "failed_result"]
+#: times Ray restarts a reward worker whose process died
+RESTARTS = 3
+#: how long a call waits for a reward worker that Ray is restarting (its reward model is built again)
+RESTART_WAIT_S = 120.0
+
+__all__ = ["RESTARTS", "RewardWorker", "RewardPool", "make_reward_actors", "reward_actor_options",
+           "check_gpus_available", "failed_result"]
 
 
 class RewardWorker:
@@ -95,13 +105,14 @@ class RewardPool:
         self._lock = threading.Lock()
         self._next = 0
         self._dead: set[int] = set()
+        self._deaths = [0] * len(self.actors)
 
-    def _pick(self) -> int | None:
+    def _pick(self, tried: set[int]) -> int | None:
         with self._lock:
             for _ in range(len(self.actors)):
                 i = self._next % len(self.actors)
                 self._next += 1
-                if i not in self._dead:
+                if i not in self._dead and i not in tried:
                     return i
             return None
 
@@ -110,29 +121,68 @@ class RewardPool:
         with self._lock:
             return len(self.actors) - len(self._dead)
 
+    def _state_after_death(self, i: int, wait_s: float = 0.0) -> str:
+        """Actor ``i`` after a failed call: "back" (it answers), "restarting" (Ray is restarting it; waited for
+        up to ``wait_s``), or "gone" (killed, or out of restarts). A death Ray has not settled yet reads as
+        restarting."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                ray.get(self.actors[i].__ray_ready__.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return "back"
+            except ActorUnavailableError:
+                if time.monotonic() >= deadline:
+                    return "restarting"
+                time.sleep(0.2)
+            except RayActorError:
+                return "gone"
+            except GetTimeoutError:
+                return "restarting"
+
     def __call__(self, images: np.ndarray, prompts: Sequence[str], rows: Sequence[dict | None] | None = None
                  ) -> RewardResult:
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+        from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError, RayTaskError
 
         prompts = list(prompts)
         errors: list[str] = []
+        tried: set[int] = set()
         while True:
-            i = self._pick()
+            i = self._pick(tried)
             if i is None:
-                detail = "; ".join(errors) if errors else "all reward workers died earlier"
-                return failed_result(len(prompts), f"no reward worker left ({detail})")
+                left = "no reward worker left" if self.alive == 0 else "every reward worker tried died on it"
+                detail = "; ".join(errors) or f"each died more than {RESTARTS + 1} times"
+                return failed_result(len(prompts), f"{left} ({detail}; worker logs: /tmp/ray/session_latest/logs)")
+            tried.add(i)
             try:
                 return ray.get(self.actors[i].score.remote(images, prompts, rows), timeout=self.timeout_s)
-            except RayActorError as e:
+            except ActorUnavailableError:  # restarting after an earlier death; this call never ran: wait, retry
+                state = self._state_after_death(i, RESTART_WAIT_S)
+                if state == "back":
+                    tried.discard(i)
+                    continue
+                errors.append(f"reward worker {i} did not come back from a restart within {RESTART_WAIT_S:g} s")
+                if state == "gone":
+                    self._drop(i)
+            except RayActorError as e:  # its process died during this call: Ray restarts it, up to RESTARTS times
                 with self._lock:
-                    self._dead.add(i)
+                    self._deaths[i] += 1
+                    spent = self._deaths[i] > RESTARTS
+                if spent or self._state_after_death(i) == "gone":
+                    self._drop(i)
                 errors.append(f"reward worker {i} died: {type(e).__name__}")
             except GetTimeoutError:
                 return failed_result(len(prompts), f"reward worker {i} took longer than `reward.timeout_s` = "
                                                    f"{self.timeout_s} s")
             except RayTaskError as e:  # the manager itself raised (bad images / prompts): the group fails
                 return failed_result(len(prompts), f"reward worker {i} raised {type(e.cause).__name__}: {e.cause}")
+
+    def _drop(self, i: int) -> None:
+        with self._lock:
+            self._dead.add(i)
 
 
 def reward_actor_options(reward_cfg: Any) -> dict[str, Any]:
@@ -171,7 +221,7 @@ def make_reward_actors(reward_cfg: Any, *, timeout_s: float | None = 600.0, plac
     options = reward_actor_options(reward_cfg)
     if options["num_gpus"] > 0:
         check_gpus_available(reward_cfg, float(ray.cluster_resources().get("GPU", 0.0)))
-    cls = ray.remote(**options)(RewardWorker)
+    cls = ray.remote(**options, max_restarts=RESTARTS)(RewardWorker)
     actors = [(cls.options(**placement(i)) if placement else cls).remote(
         reward_cfg, index=i, num_threads=max(1, int(reward_cfg.num_cpus_per_worker))) for i in range(n)]
     try:  # surface construction errors (bad reward config) here

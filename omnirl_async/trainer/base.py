@@ -361,6 +361,7 @@ class BaseTrainer(RunReports):
         finally:
             bar.close()
             self.on_run_end()
+        self.monitor.check_run()  # a short run whose rewards failed fails, with the reasons (its checkpoints stay)
         return self.summary()
 
     def start_run(self) -> None:

@@ -14,7 +14,9 @@ counters into the trainer's metrics:
 
 prints the first example of every kind once, and raises
 :class:`RewardFailureError` when more than ``reward.max_failed_frac`` of the
-window failed, with the reward, the reasons and the counts. The trainer
+window failed, with the reward, the reasons and the counts – or, for a run
+that ended before it scored a window's worth, of all it scored
+(:meth:`FailureMonitor.check_run`). The trainer
 calls :meth:`FailureMonitor.observe` after every step and while it waits for
 data, so a reward that always fails stops the job in either mode.
 """
@@ -89,9 +91,20 @@ class FailureMonitor:
             raise RewardFailureError(self.explain(w_failed, w_total))
         return metrics
 
-    def explain(self, w_failed: int, w_total: int) -> str:
-        lines = [f"{self.reward} failed on {w_failed} of the last {w_total} scored samples "
-                 f"({w_failed / w_total:.0%} > `reward.max_failed_frac` = {self.max_frac:g}); stopping the job."]
+    def check_run(self) -> None:
+        """At the end of a run that scored fewer samples than the window: the same limit, over all of them (a short
+        run whose reward always failed would otherwise end as if it had trained)."""
+        failed = self.last_failed - self.base_failed
+        total = failed + self.last_ok - self.base_ok
+        if self.max_frac < 1.0 and 0 < total < self.window and failed > self.max_frac * total:
+            raise RewardFailureError(self.explain(
+                failed, total, f"the {total} samples this run scored (fewer than `reward.failed_frac_window` = "
+                               f"{self.window}, so the limit is applied at the end)", "the run fails"))
+
+    def explain(self, w_failed: int, w_total: int, scope: str | None = None, outcome: str = "stopping the job") -> str:
+        scope = scope or f"the last {w_total} scored samples"
+        lines = [f"{self.reward} failed on {w_failed} of {scope} "
+                 f"({w_failed / w_total:.0%} > `reward.max_failed_frac` = {self.max_frac:g}); {outcome}."]
         for kind, count in sorted(self.kinds.items(), key=lambda kv: -kv[1]):
             reason, prompt = self.examples.get(kind, ["?", "?"])
             lines.append(f"  {kind}: {count} samples so far, e.g. {reason} [prompt: {prompt!r}]")

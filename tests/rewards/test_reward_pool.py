@@ -10,6 +10,7 @@ import pytest
 from omnirl_async.config import load_config
 from omnirl_async.data.shapes import render_batch
 from omnirl_async.rewards import RewardManager
+from omnirl_async.rewards.base import failure_kind
 from omnirl_async.rewards.worker_pool import RewardPool, make_reward_actors
 from tests.ray_kill import kill_and_wait_until_dead
 
@@ -61,6 +62,41 @@ def test_dead_actor_is_skipped_and_no_actor_left_fails_the_group_with_a_reason(r
     res = pool(_images(), PROMPTS)
     assert res.failed.all() and (res.scores == 0).all()
     assert "no reward worker left" in res.reasons[0] and "died" in res.reasons[0]
+
+
+@pytest.mark.slow  # a failure path of the pool; the pool itself is covered fast above
+def test_a_reward_worker_whose_process_died_is_restarted_and_one_that_always_dies_is_dropped(ray_cluster, tmp_path):
+    """A reward that crashes its process (a native library's segfault, an OOM kill) once: Ray restarts the worker
+    and the group is scored by it (a dead worker used to leave the pool for good, failing every later group). One
+    that crashes on every call: after Ray's restarts the group fails with the reason and the worker is dropped."""
+    path = tmp_path / "crash.py"
+    marker = tmp_path / "crashed"
+    path.write_text(textwrap.dedent(f"""
+        import os
+        def crash_once(images, prompts, **kw):
+            if not os.path.exists({str(marker)!r}):
+                open({str(marker)!r}, "w").close()
+                os._exit(3)
+            return [1.0] * len(prompts)
+        def crash_always(images, prompts, **kw):
+            os._exit(3)
+    """))
+    for name in ("crash_once", "crash_always"):
+        cfg = _reward_cfg("reward.num_workers=1", "reward.num_cpus_per_worker=0.5",
+                          f"reward.custom_reward_function.path={path}", f"reward.custom_reward_function.name={name}")
+        actors = make_reward_actors(cfg)
+        try:
+            pool = RewardPool(actors, timeout_s=60)
+            res = pool(_images(), PROMPTS)
+            if name == "crash_once":
+                assert marker.exists() and not res.failed.any() and res.scores.tolist() == [1.0] * len(PROMPTS)
+                assert pool.alive == 1 and not pool(_images(), PROMPTS).failed.any()
+            else:
+                assert res.failed.all() and res.reasons[0].startswith("no reward worker left (reward worker 0 ")
+                assert failure_kind(res.reasons[0]) == "no_worker" and pool.alive == 0
+        finally:
+            for a in actors:
+                ray_cluster.kill(a)
 
 
 @pytest.mark.slow  # a failure path of the pool; the pool itself is covered fast above

@@ -82,6 +82,33 @@ def test_max_failed_frac_one_never_stops_and_the_window_must_fill_first():
         filling.observe(_buf({"raised": 64}, 0))
 
 
+def test_a_run_ending_before_the_window_filled_is_judged_on_all_it_scored():
+    short = FailureMonitor(_reward_cfg("reward.failed_frac_window=64", "reward.max_failed_frac=0.5"),
+                           printer=lambda *a: None)
+    short.reset(_buf({}, 0))
+    short.observe(_buf({"raised": 24}, 0, [("raised", "reward `f` raised E: x", "a cat")]))
+    with pytest.raises(RewardFailureError) as err:
+        short.check_run()
+    assert str(err.value).startswith(
+        "reward `tiny_geneval` failed on 24 of the 24 samples this run scored (fewer than "
+        "`reward.failed_frac_window` = 64, so the limit is applied at the end) (100% > `reward.max_failed_frac` = "
+        "0.5); the run fails.\n  raised: 24 samples so far, e.g. reward `f` raised E: x")
+    half = FailureMonitor(_reward_cfg("reward.failed_frac_window=64", "reward.max_failed_frac=0.5"), printer=None)
+    half.reset(_buf({}, 0))
+    half.observe(_buf({"raised": 12}, 12))
+    half.check_run()  # 50 %: not over the limit
+    half.observe(_buf({"raised": 13}, 12))
+    with pytest.raises(RewardFailureError):
+        half.check_run()
+    never = FailureMonitor(_reward_cfg("reward.max_failed_frac=1"), printer=None)
+    never.reset(_buf({}, 0))
+    never.observe(_buf({"raised": 8}, 0))
+    never.check_run()  # 1 = never stop
+    nothing = FailureMonitor(_reward_cfg(), printer=None)
+    nothing.reset(_buf({"raised": 5}, 0))
+    nothing.check_run()  # nothing scored in this run (the counts are a restored buffer's)
+
+
 def test_monitor_ignores_counts_from_before_a_resume():
     mon = FailureMonitor(_reward_cfg("reward.failed_frac_window=4"), printer=lambda *a: None)
     mon.reset(_buf({"raised": 50}, 10))  # a restored buffer brings the earlier run's totals

@@ -121,6 +121,22 @@ def test_a_reward_that_always_fails_stops_the_job_with_its_reason(ray_cluster, s
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+def test_a_short_run_whose_reward_always_failed_fails_at_its_end(ray_cluster, small_overrides, tmp_path, mode):
+    """3 steps, 12 samples, fewer than the 64-sample window: the run still ends with the reward's failure (it used to
+    print "finished" and exit 0 having trained on nothing)."""
+    cfg = _cfg(small_overrides, tmp_path, mode, PROMPTS, f"reward.custom_reward_function.path={FLAKY}",
+               "reward.custom_reward_function.name=always_fails", "trainer.total_training_steps=3")
+    with pytest.raises(RewardFailureError) as err:
+        TaskRunner(cfg, printer=lambda *a: None).run()
+    msg = str(err.value)
+    assert msg.startswith(f"custom reward `always_fails` from {FLAKY} failed on ")
+    assert "samples this run scored (fewer than `reward.failed_frac_window` = 64, so the limit is applied at the " \
+           "end) (100% > `reward.max_failed_frac` = 0.5); the run fails." in msg
+    assert "RuntimeError: the judge model is not loaded" in msg
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 def test_resume_publishes_once_and_the_next_step_is_bit_exact(ray_cluster, small_overrides, tmp_path, mode):
     """An uninterrupted 3-step run vs. a run resumed from its step-2 checkpoint: step 3 is the same."""
     common = ["trainer.v1.sampler.max_off_policy_threshold=0", "trainer.save_freq=2", "trainer.total_epochs=2",
