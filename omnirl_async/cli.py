@@ -132,6 +132,8 @@ def cmd_eval(args) -> int:
     print(f"\n{who}: {len(res.prompts)} images of {len(prompts)} prompts")
     for key, value in res.metrics.items():
         print(f"  {key:<34} {value:.4f}")
+    if res.failure_note():
+        print(f"omnirl-async: warning: {res.failure_note()}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     strict_key = next((k for k in res.extra if k.endswith("strict")), None)
     marks = res.extra[strict_key][: args.grid] > 0.5 if strict_key else None
@@ -370,15 +372,45 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run folders (trainer.default_local_dir or the log folder; each holds resolved_config.yaml), "
                         "or a sweep folder <dir>/sweep standing for the runs in it")
     p.add_argument("--out", default=None, metavar="PNG",
-                   help="where to save the plot (default: report.png in the runs' common folder, else here)")
+                   help="where to save the plot: a .png file, or a folder to write report.png into (default: "
+                        "report.png in the runs' common folder, else here)")
     p.set_defaults(fn=cmd_report)
     return _with_examples(parser, sub)
+
+
+def report_png_path(out: str | None) -> Path | None:
+    """``report --out``: a folder (one that exists, or a path ending in a separator) gets ``report.png`` in it;
+    a file must have an extension Pillow writes. Checked before the table, so a bad ``--out`` costs nothing."""
+    import os
+    from pathlib import Path
+
+    from omnirl_async.preflight import InputError
+
+    if out is None:
+        return None
+    path = Path(os.path.expanduser(out))
+    if path.is_dir() or out.endswith(("/", os.sep)):
+        return path / "report.png"
+    import io
+
+    from PIL import Image
+
+    fix = ("name a .png file (or another image format Pillow writes, e.g. .jpg), or an existing folder "
+           "(or a path ending in /) to write report.png into")
+    if not path.suffix:
+        raise InputError(f"report: --out {out!r} has no file extension and is not an existing folder; {fix}")
+    fmt = Image.registered_extensions().get(path.suffix.lower())
+    try:  # the plot is an RGB image: try the format on one pixel (some formats Pillow knows it cannot write)
+        Image.new("RGB", (1, 1)).save(io.BytesIO(), format=fmt)
+    except (KeyError, ValueError, OSError):
+        raise InputError(f"report: --out {out!r}: Pillow cannot write an RGB image as {path.suffix!r}; {fix}") from None
+    return path
 
 
 def cmd_report(args) -> int:
     from omnirl_async.metrics.report import report
 
-    report(args.runs, png=args.out)
+    report(args.runs, png=report_png_path(args.out))
     return 0
 
 

@@ -380,8 +380,45 @@ class RewardServer:
         return web.Response(status=status, body=encode(message), content_type=CONTENT_TYPE)
 
     async def _health(self, request):
+        """msgpack like every answer, or JSON for a client that prefers it (``curl -H 'Accept: application/json'``)
+        or does not accept msgpack; no ``Accept`` header, or ``*/*``, gets msgpack."""
+        from aiohttp import web
+
         stats = dict(self._batcher.stats) if self._batcher is not None else {}
-        return self._reply(200, {"status": "ok", "reward": self.reward_name, "max_batch": self.max_batch, **stats})
+        body = {"status": "ok", "reward": self.reward_name, "max_batch": self.max_batch, **stats}
+        if self._prefers_json(request.headers.get("Accept")):
+            return web.json_response(body, headers={"Vary": "Accept"})
+        reply = self._reply(200, body)
+        reply.headers["Vary"] = "Accept"
+        return reply
+
+    @staticmethod
+    def _prefers_json(accept: str | None) -> bool:
+        """``Accept`` ranks application/json above msgpack (by q, the most specific range deciding each), or
+        does not accept msgpack at all."""
+        if not accept:
+            return False
+        ranges: dict[str, float] = {}
+        for part in accept.split(","):
+            media, *params = (p.strip() for p in part.split(";"))
+            q = 1.0
+            for param in params:
+                key, _, value = param.partition("=")
+                if key.strip().lower() == "q":
+                    try:
+                        q = float(value)
+                    except ValueError:
+                        q = 0.0
+            ranges[media.lower()] = q
+
+        def quality(media: str) -> float:
+            for r in (media, media.split("/")[0] + "/*", "*/*"):
+                if r in ranges:
+                    return ranges[r]
+            return 0.0
+
+        msgpack = max(quality(CONTENT_TYPE), quality("application/x-msgpack"))
+        return msgpack <= 0.0 or quality("application/json") > msgpack
 
     async def _not_found(self, request):
         return self._reply(404, ErrorResponse(f"no such endpoint {request.method} {request.path!r}; use "

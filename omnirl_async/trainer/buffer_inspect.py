@@ -7,8 +7,9 @@ snapshot's ``meta.msgpack`` and the offline store's ``index.msgpack``:
 
 * size per table (online, offline): groups, samples, failed members, bytes;
   the offline rows by their dataset ``source``;
-* the online rows' policy versions, and their staleness at the snapshot's
-  learner version (lag = learner version - policy version);
+* the online rows' policy versions, and their staleness at the learner
+  version (lag = learner version - policy version): the policy version the
+  checkpoint saved (``trainer.msgpack``), else the snapshot's own;
 * what was drawn so far: online samples by lag, offline samples, the offline
   share (``buffer/offline_frac``);
 * a few offline pairs: id, source, scores, times drawn, prompt.
@@ -80,10 +81,30 @@ def _histogram(counts: Counter, label: str) -> str:
     return ", ".join(f"{label}{k}: {v}" for k, v in sorted(counts.items())) or "none"
 
 
+def _checkpoint_version(snapshot: Path) -> int | None:
+    """The policy version the checkpoint holding ``snapshot`` (``global_step_N/buffer``) saved, from its
+    ``trainer.msgpack``; None for a snapshot outside a checkpoint or an unreadable file.
+
+    The snapshot's own ``learner_version`` is the version the buffer was last asked to sample at: the update
+    before the checkpoint's last publication (sync: always; separate_async: when no next update had asked ahead
+    yet, as at a run's final checkpoint), so it can be one behind the version the checkpoint resumes at."""
+    from omnirl_async.trainer.checkpoint import CheckpointError, _load_skeleton
+
+    if snapshot.name != "buffer" or not (snapshot.parent / "trainer.msgpack").is_file():
+        return None
+    try:
+        state = _load_skeleton(snapshot.parent / "trainer.msgpack")
+    except CheckpointError:
+        return None
+    version = state.get("version") if isinstance(state, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
 def _snapshot_lines(folder: Path, snap: Snapshot) -> tuple[list[str], dict[str, int]]:
-    lv = snap.learner_version
-    lines = [f"buffer snapshot {folder}", f"  written {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(snap.created_at))}, "
-             f"learner version {'-' if lv is None else lv}"]
+    lv = _checkpoint_version(folder)
+    lv = snap.learner_version if lv is None else lv
+    written = time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(snap.created_at))
+    lines = [f"buffer snapshot {folder}", f"  written {written}, learner version {'-' if lv is None else lv}"]
     lines.append(f"  {'table':<8} {'groups':>7} {'samples':>8} {'failed':>7} {'bytes':>10}")
     versions: Counter = Counter()
     drawn: dict[str, int] = {}
@@ -142,10 +163,10 @@ def inspect_buffer(path: str | os.PathLike, *, rows: int = 5) -> str:
     except ValueError as err:
         raise InputError(f"`omnirl-async buffer inspect {path}`: {err}") from None
     if snap is None and store is None:
-        raise InputError(f"`omnirl-async buffer inspect {path}`: nothing to inspect: no buffer snapshot (DIR/{META_FILE}, "
-                         f"DIR/buffer/{META_FILE} or a verified checkpoint DIR/global_step_N/buffer/) and no offline "
-                         f"store (DIR/{OFFLINE_DIR}/{INDEX_FILE}); pass a run dir (trainer.default_local_dir) or one "
-                         "of its global_step_N checkpoints")
+        raise InputError(f"`omnirl-async buffer inspect {path}`: nothing to inspect: no buffer snapshot "
+                         f"(DIR/{META_FILE}, DIR/buffer/{META_FILE} or a verified checkpoint "
+                         f"DIR/global_step_N/buffer/) and no offline store (DIR/{OFFLINE_DIR}/{INDEX_FILE}); pass a "
+                         "run dir (trainer.default_local_dir) or one of its global_step_N checkpoints")
     lines: list[str] = []
     drawn: dict[str, int] = {}
     if snap is not None:

@@ -220,18 +220,26 @@ def check_resume_config(config, *, printer: Callable[[str], None] = print) -> No
     refused, noted = resume_changes(saved, config)
     mode = config.trainer.resume_mode
     if refused:
-        fix_keys = " ".join(f"`{k}={_override_value(a)}`" for k, a, _ in refused)
-        problems = [f"`{k}` = {_show(b)}, but the run in {folder} that `trainer.resume_mode={mode}` resumes "
-                    f"({what}) was trained with {_show(a)} ({folder / RESOLVED_CONFIG}); a checkpoint only "
-                    "fits the base model and LoRA shape it was trained with." for k, a, b in refused]
-        problems.append(f"Fix: continue that run with its own values (drop the override, or set {fix_keys}), or "
-                        "start a new run with `trainer.resume_mode=disable` and another "
-                        "`trainer.default_local_dir`.")
-        raise InputError(problems)
+        raise InputError(_refusal(refused, folder, what, mode))
     if noted:
         shown = "; ".join(f"`{k}`: {_show(a)} -> {_show(b)}" for k, a, b in noted)
         printer(f"warning: resuming the run in {folder} ({what}) with {len(noted)} key(s) changed from its "
                 f"{RESOLVED_CONFIG} (saved -> now): {shown}")
+
+
+def _refusal(refused: list[tuple[str, Any, Any]], folder: Path, what: str, mode: str) -> str:
+    """One problem, however many keys changed: the changed keys, then the one fix (not a numbered problem)."""
+    run = f"the run in {folder} that `trainer.resume_mode={mode}` resumes ({what})"
+    if len(refused) == 1:
+        (key, a, b), = refused
+        changed = f"`{key}` = {_show(b)}, but {run} was trained with {_show(a)}"
+    else:
+        keys = "; ".join(f"`{k}` = {_show(b)} (trained with {_show(a)})" for k, a, b in refused)
+        changed = f"{len(refused)} keys differ from {run}: {keys}"
+    fix_keys = " ".join(f"`{k}={_override_value(a)}`" for k, a, _ in refused)
+    return (f"{changed} ({folder / RESOLVED_CONFIG}); a checkpoint only fits the base model and LoRA shape it "
+            f"was trained with. Fix: continue that run with its own values (drop the override, or set {fix_keys}), "
+            "or start a new run with `trainer.resume_mode=disable` and another `trainer.default_local_dir`.")
 
 
 def _show(value: Any) -> str:

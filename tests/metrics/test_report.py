@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from omnirl_async import cli
 from omnirl_async.config.root import DiffusionTrainerConfig
@@ -111,12 +112,38 @@ def test_report_prints_and_saves_the_png(sweep_dir, capsys):
     assert cli.main(["report", str(root / "ck" / "sweep" / "*"), "--out", str(png)]) == 0  # a glob, unexpanded
     out = capsys.readouterr().out
     assert out.count("max_off_policy_threshold=") >= 4 and f"plot: {png}" in out
-    from PIL import Image
-
     with Image.open(png) as im:
         assert im.size[0] == 1240 and im.size[1] > 800
         colours = {c for _, c in im.convert("RGB").getcolors(1 << 20)}
     assert PALETTE[0] in colours and PALETTE[1] in colours  # one colour per run
+
+
+def test_out_may_be_a_folder_and_an_unwritable_extension_is_refused_before_the_table(sweep_dir, tmp_path, capsys):
+    root, _ = sweep_dir
+    runs = str(root / "ck" / "sweep")
+    folder = tmp_path / "plots"
+    folder.mkdir()
+    assert cli.main(["report", runs, "--out", str(folder)]) == 0  # an existing folder: report.png in it
+    assert f"plot: {folder / 'report.png'}" in capsys.readouterr().out
+    with Image.open(folder / "report.png") as im:
+        assert im.format == "PNG" and im.size[0] == 1240
+    assert cli.main(["report", runs, "--out", f"{tmp_path / 'new'}/"]) == 0  # a path ending in / is a folder too
+    assert f"plot: {tmp_path / 'new' / 'report.png'}" in capsys.readouterr().out
+    assert (tmp_path / "new" / "report.png").is_file()
+    assert cli.main(["report", runs, "--out", str(tmp_path / "cmp.jpg")]) == 0  # another format Pillow writes
+    with Image.open(tmp_path / "cmp.jpg") as im:
+        assert im.format == "JPEG"
+    capsys.readouterr()
+    for out, why in ((tmp_path / "cmp.xyz", "Pillow cannot write an RGB image as '.xyz'"),
+                     (tmp_path / "cmp.xbm", "Pillow cannot write an RGB image as '.xbm'"),  # 1-bit only
+                     (tmp_path / "cmp", "has no file extension and is not an existing folder")):
+        assert cli.main(["report", runs, "--out", str(out)]) == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""  # refused before the table is printed
+        assert captured.err.startswith(f"omnirl-async: report: --out {str(out)!r}") and why in captured.err
+        assert captured.err.count("\n") == 1 and "Traceback" not in captured.err, captured.err
+        assert "name a .png file" in captured.err and "to write report.png into" in captured.err
+        assert not out.exists()
 
 
 def test_a_run_without_a_histogram_uses_the_per_step_staleness(tmp_path):

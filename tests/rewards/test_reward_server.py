@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import subprocess
 import sys
@@ -79,6 +80,36 @@ def test_bearer_token(monkeypatch):
         monkeypatch.setenv("MY_TOKEN", "s3cret")
         assert http_scorer(images, ["a"], url=server.url, token_env="MY_TOKEN")["score"].tolist() == [1.0]
         assert _health(server.url)[0] == 200  # probes need no token
+
+
+def _get_health(url: str, accept: str | None) -> tuple[int, str, bytes]:
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request("GET", "/health", headers={} if accept is None else {"Accept": accept})
+        resp = conn.getresponse()
+        return resp.status, resp.getheader("Content-Type", ""), resp.read()
+    finally:
+        conn.close()
+
+
+def test_health_answers_json_to_a_client_that_asks_for_it():
+    images = np.full((2, 4, 4, 3), 255, np.uint8)
+    with RewardServer("brightness", max_batch=16) as server:
+        http_scorer(images, ["a", "b"], url=server.url)
+        want = {"status": "ok", "reward": "brightness", "max_batch": 16, "requests": 1, "batches": 1, "images": 2}
+        for accept in ("application/json", "application/json, text/plain;q=0.5", "text/plain",  # curl -H, no msgpack
+                       "application/msgpack;q=0.5, application/json", "*/*;q=0.1, application/json;q=0.9"):
+            status, ctype, body = _get_health(server.url, accept)
+            assert (status, ctype.split(";")[0]) == (200, "application/json"), (accept, ctype)
+            assert json.loads(body) == want, accept
+        # the wire format otherwise: no Accept (the project's clients), curl's default */*, msgpack preferred
+        for accept in (None, "*/*", "application/msgpack", "application/x-msgpack", "application/json;q=0.5, */*",
+                       "text/html,application/xhtml+xml,application/xml;q=0.9,*/*;q=0.8"):
+            status, ctype, body = _get_health(server.url, accept)
+            assert (status, ctype) == (200, "application/msgpack"), (accept, ctype)
+            assert msgspec.msgpack.decode(body) == want, accept
+        assert _health(server.url, {"Accept": "*/*"}) == (200, want)
 
 
 def test_rows_reach_the_served_function():

@@ -80,6 +80,11 @@ def test_resume_refuses_a_changed_model_key_and_names_other_changes(tmp_path, sm
     assert "`actor_rollout_ref.model.path` = 'embedded:tiny-flux'" in msg and "global_step_3" in msg, msg
     assert "`actor_rollout_ref.model.lora_rank=8`" in msg and "actor_rollout_ref.model.path=embedded:tiny-sd3" in msg
     assert "trainer.resume_mode=disable" in msg
+    # one problem (the resume does not fit the checkpoint) naming both keys, and its fix is not a numbered problem
+    assert err.value.problems == [msg] and "\n" not in msg and "problems with the files" not in msg, msg
+    assert msg.startswith(f"2 keys differ from the run in {tmp_path / 'run'} that `trainer.resume_mode=auto` "
+                          "resumes (its checkpoints (global_step_3 the newest)): "), msg
+    assert msg.count("Fix:") == 1 and msg.index("Fix:") > msg.index("tiny-flux"), msg
     assert (tmp_path / "run" / RESOLVED_CONFIG).read_text() == saved_text  # the saved config is kept
 
     lines: list[str] = []
@@ -104,6 +109,14 @@ def test_train_command_refuses_the_changed_resume_in_one_line(tmp_path, small_ov
     err = capsys.readouterr().err
     assert rc == 2 and err.startswith("omnirl-async: ") and "Traceback" not in err
     assert "`actor_rollout_ref.model.lora_rank` = 2" in err and "`actor_rollout_ref.model.lora_rank=8`" in err
+    # one changed key is one problem: no count, no numbered list with the fix as item 2
+    assert len(err.strip().splitlines()) == 1 and "problems" not in err and "  1. " not in err, err
+    assert err.startswith(f"omnirl-async: `actor_rollout_ref.model.lora_rank` = 2, but the run in {tmp_path / 'run'} "
+                          "that `trainer.resume_mode=auto` resumes (its checkpoints (global_step_3 the newest)) was "
+                          "trained with 8"), err
+    assert err.rstrip().endswith("Fix: continue that run with its own values (drop the override, or set "
+                                 "`actor_rollout_ref.model.lora_rank=8`), or start a new run with "
+                                 "`trainer.resume_mode=disable` and another `trainer.default_local_dir`."), err
 
 
 def _train_a_checkpoint(tmp_path, small_overrides):
