@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
@@ -91,7 +92,6 @@ def _load_run(args):
 def cmd_eval(args) -> int:
     import dataclasses
     import json
-    from pathlib import Path
 
     import torch
 
@@ -382,7 +382,6 @@ def report_png_path(out: str | None) -> Path | None:
     """``report --out``: a folder (one that exists, or a path ending in a separator) gets ``report.png`` in it;
     a file must have an extension Pillow writes. Checked before the table, so a bad ``--out`` costs nothing."""
     import os
-    from pathlib import Path
 
     from omnirl_async.preflight import InputError
 
