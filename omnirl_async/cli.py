@@ -68,12 +68,41 @@ def cmd_train(args) -> int:
         return sweep(args.overrides, config_name=args.config_name, config_dir=args.config_dir, printer=tqdm.write,
                      user_errors=user_error_types())
     cfg = _load(args)
-    summary = TaskRunner(cfg, printer=tqdm.write).run()
+    try:
+        summary = TaskRunner(cfg, printer=tqdm.write).run()
+    except KeyboardInterrupt:
+        print(f"omnirl-async: interrupted; {_resume_hint(cfg)}", file=sys.stderr)
+        return 130
+    except run_error_types() as err:  # explained failures: the message, not a traceback
+        hint = "" if "trainer.resume_mode" in str(err) else f"\n{_resume_hint(cfg)}"
+        print(f"omnirl-async: the run stopped: {err}{hint}", file=sys.stderr)
+        return 1
     print(f"finished at step {summary['global_step']} (policy version {summary['version']})")
     print(f"TensorBoard logs: {summary['log_dir']}   (tensorboard --logdir {summary['log_dir']})")
     print(f"checkpoints:      {summary['checkpoint_dir']}   (resolved_config.yaml; "
           f"omnirl-async eval --run {summary['checkpoint_dir']})")
     return 0
+
+
+def run_error_types() -> tuple[type[BaseException], ...]:
+    """Failures of a run whose message says what happened and what to do (a traceback would add nothing)."""
+    from omnirl_async.learners.learner_group import LearnerDiedError
+    from omnirl_async.trainer.failures import RewardFailureError
+
+    return RewardFailureError, LearnerDiedError, TimeoutError
+
+
+def _resume_hint(cfg) -> str:
+    """Where the run can go on from: its newest complete checkpoint, and the key that resumes it."""
+    from omnirl_async.trainer.checkpoint import CheckpointManager
+
+    try:
+        latest = CheckpointManager(cfg.trainer.default_local_dir).latest()
+    except Exception as err:  # noqa: BLE001 - a damaged folder must not hide why the run stopped
+        return f"no checkpoint in {cfg.trainer.default_local_dir} can be resumed from ({err})"
+    if latest is None:
+        return f"no checkpoint was saved in {cfg.trainer.default_local_dir} (`trainer.save_freq`)"
+    return f"the newest checkpoint is {latest}; `trainer.resume_mode=auto` (the default) continues from it"
 
 
 def _load_run(args):

@@ -137,6 +137,50 @@ def test_a_short_run_whose_reward_always_failed_fails_at_its_end(ray_cluster, sm
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", MODES)
+def test_the_train_command_ends_a_failed_or_interrupted_run_with_its_reason_and_checkpoint(small_overrides, tmp_path,
+                                                                                          mode):
+    """`omnirl-async train` as a user runs it: a reward that always fails exits 1 with the reason and no traceback;
+    Ctrl-C after the first checkpoint exits 130 saying where the run can go on from."""
+    import signal
+    import subprocess
+    import sys
+
+    def command(folder: Path, *extra: str) -> list[str]:
+        folder.mkdir()
+        return [sys.executable, "-m", "omnirl_async.cli", "train", *small_overrides, f"trainer.v1.trainer_mode={mode}",
+                "actor_rollout_ref.rollout.num_workers=1", "actor_rollout_ref.rollout.pipeline.num_inference_steps=3",
+                "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                f"data.train_files={_write_prompts(folder, PROMPTS)}", f"trainer.default_local_dir={folder / 'ckpt'}",
+                f"trainer.log_dir={folder / 'tb'}", "trainer.progress_bar=false", *extra]
+
+    failed = subprocess.run(command(tmp_path / "fails", f"reward.custom_reward_function.path={FLAKY}",
+                                    "reward.custom_reward_function.name=always_fails",
+                                    "trainer.total_training_steps=3"), capture_output=True, text=True, timeout=300)
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert f"omnirl-async: the run stopped: custom reward `always_fails` from {FLAKY} failed on " in failed.stderr
+    assert "Traceback" not in failed.stderr and "the newest checkpoint is " in failed.stderr
+
+    folder = tmp_path / "interrupted"
+    proc = subprocess.Popen(command(folder, "trainer.save_freq=1", "trainer.total_training_steps=200"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (folder / "ckpt" / "global_step_1").is_dir():
+            assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint within 240 s"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == 130, err[-3000:]
+    assert f"omnirl-async: interrupted; the newest checkpoint is {folder / 'ckpt'}/global_step_" in err
+    assert "`trainer.resume_mode=auto` (the default) continues from it" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
 def test_resume_publishes_once_and_the_next_step_is_bit_exact(ray_cluster, small_overrides, tmp_path, mode):
     """An uninterrupted 3-step run vs. a run resumed from its step-2 checkpoint: step 3 is the same."""
     common = ["trainer.v1.sampler.max_off_policy_threshold=0", "trainer.save_freq=2", "trainer.total_epochs=2",
