@@ -3,7 +3,7 @@
 * ``critic/rewards/{mean,max,min,std}``, ``critic/advantages/{mean,max,min}``,
   ``critic/score/<extra>`` for per-sample reward extras (e.g. ``strict``),
 * ``timing_s/<phase>`` seconds per step and ``timing_per_image_ms/<phase>``,
-* ``perf/throughput`` samples trained per second of step wall-clock,
+* ``perf/throughput`` rows trained (online samples and offline rows) per second of step wall-clock,
 * ``training/off_policy/trajectory_staleness/{mean,max,min}``.
 """
 
@@ -73,8 +73,11 @@ def compute_timing_metrics(times: Mapping[str, float], num_images: int) -> dict[
     return m
 
 
-def compute_throughput_metrics(num_samples: int, step_seconds: float) -> dict[str, float]:
-    return {"perf/throughput": num_samples / step_seconds if step_seconds > 0 else 0.0,
+def compute_throughput_metrics(num_samples: int, step_seconds: float, offline_rows: int = 0) -> dict[str, float]:
+    """``perf/throughput``: the online samples and ``offline_rows`` trained per second; ``perf/total_num_samples``:
+    the online samples."""
+    trained = num_samples + offline_rows
+    return {"perf/throughput": trained / step_seconds if step_seconds > 0 else 0.0,
             "perf/total_num_samples": float(num_samples)}
 
 

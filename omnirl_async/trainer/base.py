@@ -383,7 +383,10 @@ class BaseTrainer(RunReports):
         if len(batch):
             metrics.update(compute_data_metrics(batch.fields["rewards"], None, extras))
         metrics.update(compute_timing_metrics(timer.times, len(batch)))
-        metrics.update(compute_throughput_metrics(len(batch), timer.times["step"]))
+        # perf/throughput: every row trained, the offline ones beside the batch too (an offline-only step has only
+        # those); perf/total_num_samples: the online samples
+        metrics.update(compute_throughput_metrics(len(batch), timer.times["step"],
+                                                  int(metrics.get("training/offline_samples", 0))))
         metrics.update(compute_staleness_metrics(staleness))
         buf = self.buffer.metrics()
         metrics.update({f"buffer/{k.split('/', 1)[-1]}": v for k, v in buf.items() if not isinstance(v, (list, tuple))})

@@ -151,6 +151,9 @@ def test_offline_source_trains_with_no_rollout_workers(ray_cluster, small_overri
         trainer.stop()
     s = scalar_values(tmp_path / "tb")
     assert s["training/offline_samples"] == [6.0] * 6
+    # the rows it trained, per second of each step (it read 0: only online samples were counted)
+    assert all(t == pytest.approx(6.0 / dt, rel=1e-3) for t, dt in zip(s["perf/throughput"], s["timing_s/step"]))
+    assert s["perf/total_num_samples"] == [0.0] * 6
     assert "critic/rewards/mean" not in s and "training/off_policy/trajectory_staleness/max" not in s
     assert s["buffer/offline_frac"][-1] == 1.0 and s["buffer/sampled"][-1] == 0
     assert all(math.isfinite(v) for v in s["actor/dpo/implicit_acc/offline"])
