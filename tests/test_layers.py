@@ -47,6 +47,7 @@ LAYERS: dict[str, int] = {
     "staleness": 1,
     "userfiles": 1,
     "placement": 1,
+    "waits": 1,
     # the package itself (``omnirl_async/__init__.py``)
     "": 0,
 }
