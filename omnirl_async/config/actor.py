@@ -131,6 +131,11 @@ class DiffusionLossConfig:
                                    no_effect=_only_with(("flow_dppo",), "the drift normalisation"))
 
 
+def _constant_lr(optim: Any, root: Any) -> str | None:
+    return (None if optim.lr_scheduler_type == "cosine"
+            else f"with `actor_rollout_ref.actor.optim.lr_scheduler_type` = {optim.lr_scheduler_type!r}")
+
+
 @dataclass
 class OptimConfig:
     optimizer: str = opt("adamw", "Optimizer.", choices=("adamw", "adam", "sgd"))
@@ -142,7 +147,14 @@ class OptimConfig:
     lr_scheduler_type: str = opt("constant", "constant or cosine after warm-up.", choices=("constant", "cosine"))
     total_training_steps: Any = opt(None, "Horizon of the cosine schedule, in learner updates; null = the run's "
                                     "length: trainer.total_training_steps (or total_epochs) updates, or "
-                                    "trainer.total_time_minutes of training time, whichever ends first.", gt=0)
+                                    "trainer.total_time_minutes of training time, whichever ends first.", gt=0,
+                                    no_effect=NoEffect("only the cosine schedule has a horizon; the run's length is "
+                                                       "`trainer.total_training_steps`", when=_constant_lr,
+                                                       when_doc="unless `lr_scheduler_type` = cosine",
+                                                       fix="leave it at its default ({default}), or set "
+                                                           "`actor_rollout_ref.actor.optim.lr_scheduler_type=cosine`; "
+                                                           "to stop the run after N updates set "
+                                                           "`trainer.total_training_steps=N`"))
 
 
 @dataclass
@@ -192,7 +204,9 @@ class DiffusionActorConfig:
                                     "match the policy's. Required when use_distill_loss=true.",
                                     no_effect=_DISTILL_ONLY)
     rollout_correction: Any = opt("${algorithm.rollout_correction}",
-                                  "Per-actor mirror of algorithm.rollout_correction (read-only copy).")
+                                  "Read-only copy of algorithm.rollout_correction, which the losses read here; "
+                                  "setting it, or a key under it, is refused: set algorithm.rollout_correction.* "
+                                  "instead.", mirror_of="algorithm.rollout_correction")
 
     def validate(self, path: str) -> None:
         teacher = self.distill_teacher_path

@@ -63,6 +63,33 @@ def _no_taper(section, root) -> str | None:
     return "while `buffer.offline_mix_ratio_final` is null" if section.offline_mix_ratio_final is None else None
 
 
+def _sampler_not(name: str, kwarg: str):
+    """A ``when`` condition: the key is the default ``kwarg`` of the built-in sampler ``name`` only
+    (omnirl_async/buffer/spec.py ``sampler_defaults``); another sampler, a custom one or ``sampler_kwargs`` setting
+    ``kwarg`` leave it unread."""
+    def when(buffer, root) -> str | None:
+        s = root.trainer.v1.sampler
+        if s.custom_sampler.path is not None or s.custom_sampler.name is not None:
+            return "while `trainer.v1.sampler.custom_sampler` is set (a custom sampler gets only `sampler_kwargs`)"
+        if buffer.sampler != name:
+            return f"with `buffer.sampler` = {buffer.sampler!r}"
+        if kwarg in (s.sampler_kwargs or {}):
+            return f"while `trainer.v1.sampler.sampler_kwargs` sets {kwarg!r} (it wins)"
+        return None
+    return when
+
+
+def _sampler_only(name: str, kwarg: str, what: str) -> NoEffect:
+    return NoEffect(f"only the {name} sampler reads {what}", when=_sampler_not(name, kwarg),
+                    when_doc=f"unless `buffer.sampler` = {name} (and no custom sampler, no `sampler_kwargs.{kwarg}`)",
+                    fix=f"leave it at its default ({{default}}), or use `buffer.sampler={name}` (without a custom "
+                        f"sampler, and without {kwarg!r} in `trainer.v1.sampler.sampler_kwargs`)")
+
+
+def _no_rate_limiter(buffer, root) -> str | None:
+    return "while `buffer.samples_per_insert` is null (no rate limiter)" if buffer.samples_per_insert is None else None
+
+
 _WAIT_LIMITER = wait_no_effect("a rate limiter cannot hold a batch back (admission control already paces the "
                                "rollout)", fix="set it to null, or use the drop strategy")
 
@@ -84,9 +111,15 @@ class BufferConfig:
                                   no_effect=_WAIT_LIMITER)
     samples_per_insert: Any = opt(None, "Rate limiter: target samples drawn per sample inserted; null = off.", gt=0,
                                   no_effect=_WAIT_LIMITER)
-    samples_per_insert_error_buffer: Any = opt(None, "Slack of the rate limiter in samples; null = one batch.", gt=0)
-    priority_exponent: float = opt(0.6, "Exponent of the prioritized sampler.", ge=0)
-    freshness_decay: float = opt(0.5, "Per-version-lag priority decay of the freshness sampler.", gt=0, le=1)
+    samples_per_insert_error_buffer: Any = opt(
+        None, "Slack of the rate limiter in samples; null = one batch.", gt=0,
+        no_effect=NoEffect("the slack belongs to the samples-per-insert rate limiter, which is off",
+                           when=_no_rate_limiter, when_doc="while `buffer.samples_per_insert` is null",
+                           fix="leave it at its default ({default}), or set `buffer.samples_per_insert`"))
+    priority_exponent: float = opt(0.6, "Exponent of the prioritized sampler.", ge=0,
+                                   no_effect=_sampler_only("prioritized", "exponent", "the priority exponent"))
+    freshness_decay: float = opt(0.5, "Per-version-lag priority decay of the freshness sampler.", gt=0, le=1,
+                                 no_effect=_sampler_only("freshness", "decay", "the per-lag decay"))
     offline_mix_ratio: float = opt(
         0.0, "Fraction of each learner batch drawn from the offline table (the run's offline store, "
         "docs/PREFERENCE_DATA.md): offline pairs take the place of round(r x data.train_batch_size) online groups "

@@ -72,8 +72,8 @@ class DataConfig:
 
 @dataclass
 class CustomRewardFunctionConfig:
-    path: Any = opt(None, "Python file defining the reward function.")
-    name: Any = opt(None, "Function name in that file.")
+    path: Any = opt(None, "Python file defining the reward function.", string=True)
+    name: Any = opt(None, "Function name in that file.", string=True)
 
 
 @dataclass

@@ -86,6 +86,8 @@ class Rule:
     nullable: bool = True
     not_built: dict[Any, str] | None = None
     no_effect: tuple[NoEffect, ...] = ()
+    string: bool = False
+    mirror_of: str | None = None
 
 
 def opt(
@@ -100,6 +102,8 @@ def opt(
     lt: float | None = None,
     not_built: dict[Any, str] | None = None,
     no_effect: str | NoEffect | Iterable[NoEffect] | None = None,
+    string: bool = False,
+    mirror_of: str | None = None,
 ) -> Any:
     """A dataclass field with help text and a validation rule.
 
@@ -108,9 +112,13 @@ def opt(
     ``not_built`` maps a value to the reason it is refused for now.
     ``no_effect`` declares where the key does nothing (a string = in every
     mode, for that reason); a value other than the default is refused there.
+    ``string`` (for a field typed ``Any``): a value must be a string or null; an unquoted ``nan``, ``5`` or
+    ``true`` that YAML / Hydra read as a number or bool is refused with how to quote it.
+    ``mirror_of`` names the section this field is a read-only copy of (its default interpolates it); a value
+    that differs from that section, set here or under it, is refused, pointing at the section's own keys.
     """
     rule = Rule(choices=choices, ge=ge, gt=gt, le=le, lt=lt, not_built=not_built,
-                no_effect=_as_no_effect(no_effect))
+                no_effect=_as_no_effect(no_effect), string=string, mirror_of=mirror_of)
     meta = {"help": help, "rule": rule}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)

@@ -40,7 +40,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from omnirl_async.config import presets as _presets
 from omnirl_async.config.root import DiffusionTrainerConfig
-from omnirl_async.config.validate import (ConfigError, schema_at, to_validated_object, type_at,
+from omnirl_async.config.validate import (ConfigError, mirror_message, schema_at, to_validated_object, type_at,
                                           unknown_key_message)
 
 __all__ = ["register_configs", "default_config_dir", "check_override_syntax", "compose_config", "load_config",
@@ -281,6 +281,9 @@ def _explain(err: BaseException, config_name: str, cdir: Path, overrides: Sequen
             reason = str(e).splitlines()[0]
             if isinstance(e, (ConfigKeyError, ConfigAttributeError)) and "not in" in reason:
                 parent = key.rpartition(".")[0]
+                copy = mirror_message(DiffusionTrainerConfig, key, _override_value(key, overrides))
+                if copy is not None:  # a read-only copy: adding the key with `+` would be refused as well
+                    return copy
                 schema = schema_at(DiffusionTrainerConfig, parent)
                 if schema is not None:
                     return unknown_key_message(key, schema)
@@ -290,8 +293,23 @@ def _explain(err: BaseException, config_name: str, cdir: Path, overrides: Sequen
     for text in overrides:
         key = override_key(text)
         if key and (key in reasons or text in reasons):
-            return f"`{key}`: {reasons} (override {text!r}) {where}"
+            copy = mirror_message(DiffusionTrainerConfig, key, _override_value(key, overrides))
+            return copy or f"`{key}`: {reasons} (override {text!r}) {where}"
     return f"could not compose `{config_name}` from {cdir} with overrides {list(overrides)}: {reasons}"
+
+
+def _override_value(key: str, overrides: Sequence[str]):
+    """The value the last override of ``key`` gives it (as Hydra parses it); MISSING when none does or it does not
+    parse."""
+    import dataclasses
+
+    for text in reversed(overrides):
+        if override_key(text) == key and "=" in text:
+            try:
+                return OverridesParser.create().parse_override(text).value()
+            except Exception:  # noqa: BLE001 - reported by check_override_syntax
+                break
+    return dataclasses.MISSING
 
 
 def load_config(overrides: Sequence[str] = (), *, config_name: str = "diffusion_trainer",

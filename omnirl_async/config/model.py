@@ -2,17 +2,45 @@
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from omnirl_async.config.algorithm import DIRECT_PREFERENCE_TRAINER
 from omnirl_async.config.fields import NoEffect, opt
 
-__all__ = ["DiffusionModelConfig", "DEFAULT_MODEL_PATH"]
+__all__ = ["DiffusionModelConfig", "DEFAULT_MODEL_PATH", "EMBEDDED_PIXEL_STEP", "pixel_step"]
 
 #: ``embedded:<name>`` resolves to a model shipped with (or built by) the package,
 #: see :func:`omnirl_async.models.resolve_model_path`.
 DEFAULT_MODEL_PATH = "embedded:shapes"
+
+#: Image sizes of the embedded models step by (VAE scale x transformer patch; the models' own ``latent_grid`` checks
+#: it again, and tests/config checks this table against them).
+EMBEDDED_PIXEL_STEP = {"shapes": 4, "tiny-sd3": 8, "tiny-flux": 8}
+
+
+def pixel_step(path: Any, transformer_subfolder: Any = "transformer") -> int | None:
+    """What image height and width must be a multiple of for the model at ``path`` (an ``embedded:`` name, or a
+    diffusers pipeline folder whose JSON configs are read); None when that cannot be told from here (a missing or
+    broken folder is the driver's input check to report)."""
+    if not isinstance(path, str):
+        return None
+    if path.startswith("embedded:"):
+        return EMBEDDED_PIXEL_STEP.get(path.split(":", 1)[1])
+    folder = os.path.expanduser(path)
+    try:
+        with open(os.path.join(folder, "model_index.json")) as f:
+            pipeline = json.load(f).get("_class_name", "")
+        with open(os.path.join(folder, "vae", "config.json")) as f:
+            scale = 2 ** (len(json.load(f)["block_out_channels"]) - 1)
+        with open(os.path.join(folder, str(transformer_subfolder), "config.json")) as f:
+            patch = int(json.load(f).get("patch_size", 2)) if "Flux" not in str(pipeline) else 2  # Flux packs 2x2
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return scale * patch
+
 
 _OUTSIDE_PIPELINE = ("loading components from outside the pipeline folder is not built yet; put them under "
                      "`actor_rollout_ref.model.path`")
@@ -51,7 +79,7 @@ class DiffusionModelConfig:
                                  no_effect=NoEffect("LoRA on raw parameters is not built yet; use target_modules",
                                                     accept=([],)))
     exclude_modules: Any = opt(None, "Module-name patterns excluded from LoRA (list or regex string).")
-    lora_adapter_path: Any = opt(None, "PEFT adapter folder to continue training from.")
+    lora_adapter_path: Any = opt(None, "PEFT adapter folder to continue training from.", string=True)
     policy_state_adapters: Any = opt(None, "Named LoRA policy states the algorithm needs; null = ['default']. "
                                      "[default, old] adds DiffusionNFT's old (EMA) adapter on the same base; "
                                      "'reference' (the base, adapter disabled) is always available.",

@@ -8,7 +8,7 @@ from omnirl_async.config.actor import DiffusionActorConfig
 from omnirl_async.config.algorithm import PREFERENCE_LOSSES, DiffusionAlgoConfig
 from omnirl_async.config.buffer import BufferConfig, TransferQueueConfig
 from omnirl_async.config.data import DataConfig, RewardConfig
-from omnirl_async.config.model import DiffusionModelConfig
+from omnirl_async.config.model import DiffusionModelConfig, pixel_step
 from omnirl_async.config.rollout import DiffusionRolloutConfig
 from omnirl_async.config.trainer import LearnerConfig, RayKwargsConfig, TrainerConfig
 
@@ -60,6 +60,7 @@ class DiffusionTrainerConfig:
         if rng is not None and rng[1] > nsteps:
             raise ValueError(f"`actor_rollout_ref.rollout.algo.sde_window_range` = {list(rng)!r} ends past "
                              f"num_inference_steps = {nsteps}.")
+        self._check_image_size()
         if (aro.actor.ppo_mini_batch_size * n) % self.learner.num_workers:
             raise ValueError(f"`learner.num_workers` = {self.learner.num_workers} must divide the samples of one "
                              f"mini-batch (ppo_mini_batch_size x rollout.n = {aro.actor.ppo_mini_batch_size * n}).")
@@ -74,6 +75,24 @@ class DiffusionTrainerConfig:
                           f"{aro.actor.diffusion_loss.clip_ratio} will hardly ever clip. References use ~1e-5.",
                           stacklevel=2)
         self._warn_bypass_with_stale_samples()
+
+    def _check_image_size(self) -> None:
+        """Height and width of generation and of validation: multiples of the model's VAE scale x patch (found
+        here, at start-up, rather than in the first rollout worker's first generation)."""
+        model = self.actor_rollout_ref.model
+        step = pixel_step(model.path, model.transformer_subfolder)
+        if step is None:
+            return
+        ro = "actor_rollout_ref.rollout"
+        for where, pipe in ((f"{ro}.pipeline", self.actor_rollout_ref.rollout.pipeline),
+                            (f"{ro}.val_kwargs.pipeline", self.actor_rollout_ref.rollout.val_kwargs.pipeline)):
+            for key in ("height", "width"):
+                value = getattr(pipe, key)
+                if value % step:
+                    near = [v for v in (value - value % step, value - value % step + step) if v > 0]
+                    raise ValueError(f"`{where}.{key}` = {value} must be a multiple of {step} for the model "
+                                     f"`actor_rollout_ref.model.path` = {model.path!r} (its VAE scale x patch); "
+                                     f"use {' or '.join(map(str, near))}.")
 
     def _warn_bypass_with_stale_samples(self) -> None:
         """Bypass-mode correction clips stale samples away under FlowGRPO-family clip ranges (a warning: valid)."""

@@ -21,6 +21,11 @@ def _sync(reason: str, **kw) -> NoEffect:
     return NoEffect(reason, modes=("sync",), **kw)
 
 
+def _no_rollout_dump(trainer, root) -> str | None:
+    freq = trainer.rollout_data_save_freq
+    return f"while `trainer.rollout_data_save_freq` = {freq} (no dump)" if freq <= 0 else None
+
+
 @dataclass
 class SeparateAsyncConfig:
     num_warmup_batches: int = opt(1, "Prompt batches queued before training starts.", ge=0,
@@ -35,10 +40,10 @@ class SeparateAsyncConfig:
 
 @dataclass
 class CustomSamplerConfig:
-    path: Any = opt(None, "Python file defining a custom buffer sampler class.",
+    path: Any = opt(None, "Python file defining a custom buffer sampler class.", string=True,
                     no_effect=wait_no_effect("a custom sampler would never be asked",
                                              fix="unset it, or use the drop strategy"))
-    name: Any = opt(None, "Class name in that file.")
+    name: Any = opt(None, "Class name in that file.", string=True)
 
 
 def _fixed_threshold(section, root) -> str | None:
@@ -141,12 +146,19 @@ class TrainerConfig:
     resume_mode: str = opt("auto", "auto (latest checkpoint in default_local_dir), disable (a fresh run: an earlier "
                                    "run's checkpoints there move to default_local_dir/superseded/<time>/), or "
                                    "resume_path.", choices=("auto", "disable", "resume_path"))
-    resume_from_path: Any = opt(None, "Checkpoint folder for resume_mode=resume_path.")
+    resume_from_path: Any = opt(None, "Checkpoint folder for resume_mode=resume_path.", string=True)
     default_local_dir: str = opt("checkpoints/${trainer.project_name}/${trainer.experiment_name}",
                                  "Where checkpoints go.")
     max_actor_ckpt_to_keep: Any = opt(None, "Keep this many newest checkpoints; null = all.", gt=0)
     rollout_data_save_freq: int = opt(0, "Dump rollout images every N steps; <= 0 never.")
-    rollout_data_max_samples: Any = opt(16, "Cap on dumped samples per step.", gt=0)
+    rollout_data_max_samples: Any = opt(16, "Cap on dumped samples per step.", gt=0,
+                                        no_effect=NoEffect("rollout samples are dumped only with "
+                                                           "`trainer.rollout_data_save_freq` > 0",
+                                                           when=_no_rollout_dump,
+                                                           when_doc="while `rollout_data_save_freq` <= 0",
+                                                           fix="leave it at its default ({default}), or set "
+                                                               "`trainer.rollout_data_save_freq` > 0 (dump every N "
+                                                               "steps)"))
     validation_data_max_samples: Any = opt(None, "Cap on dumped validation samples.", gt=0)
     video_fps: int = opt(8, "FPS of dumped videos (VeRL-Omni); this project generates images only.", gt=0,
                          no_effect="this project generates images only (`pipeline.num_frames` = 1), so no video is "

@@ -33,7 +33,8 @@ from omegaconf.errors import OmegaConfBaseException
 from omnirl_async.config.fields import MODES, NoEffect, Rule
 
 __all__ = ["ConfigError", "check_unknown_keys", "unknown_key_message", "type_at", "schema_at", "validate_tree",
-           "to_validated_object", "show_value", "trainer_mode_of"]
+           "to_validated_object", "show_value", "trainer_mode_of", "mirror_fields", "mirror_message",
+           "check_mirrors"]
 
 
 class ConfigError(ValueError):
@@ -114,6 +115,8 @@ def _check_rule(value: Any, rule: Rule, path: str) -> None:
         raise ConfigError(f"`{path}` = {value!r} is not allowed; choose one of {allowed}.")
     if value is None:
         return
+    if rule.string and not isinstance(value, str):
+        raise ConfigError(_not_a_string(value, path))
     bounds = [("ge", ">=", lambda v, b: v >= b), ("gt", ">", lambda v, b: v > b),
               ("le", "<=", lambda v, b: v <= b), ("lt", "<", lambda v, b: v < b)]
     declared = [(sym, getattr(rule, attr), ok) for attr, sym, ok in bounds if getattr(rule, attr) is not None]
@@ -128,6 +131,17 @@ def _check_rule(value: Any, rule: Rule, path: str) -> None:
     for sym, b, ok in declared:
         if not ok(value, b):
             raise ConfigError(f"`{path}` = {value!r} must be {sym} {b}.")
+
+
+def _not_a_string(value: Any, path: str) -> str:
+    """A string-or-null key got a number, a bool or a collection (YAML / Hydra read ``nan``, ``5``, ``true`` so)."""
+    if isinstance(value, (bool, int, float)):
+        text = show_value(value) if isinstance(value, bool) else str(value)
+        kind = "a bool" if isinstance(value, bool) else "an integer" if isinstance(value, int) else "a number"
+        key = path.rpartition(".")[2]
+        return (f"`{path}` = {value!r} is not a string (an unquoted {text} is read as {kind}); quote it: "
+                f"`'{path}=\"{text}\"'` on the command line, `{key}: \"{text}\"` in YAML.")
+    return f"`{path}` = {show_value(value)} is not a string; give a string, or null."
 
 
 def show_value(value: Any) -> str:
@@ -295,9 +309,94 @@ def _crash_message(obj: Any, path: str, err: BaseException) -> str:
     return f"{'; '.join(parts)}: the check of {where} cannot use this value ({reason})."
 
 
+@functools.lru_cache(maxsize=None)
+def mirror_fields(schema: type, path: str = "") -> tuple[tuple[str, str], ...]:
+    """``(key path, section it copies)`` of every field of ``schema`` declared with ``mirror_of``."""
+    out: list[tuple[str, str]] = []
+    for f in dataclasses.fields(schema):
+        key_path = f"{path}.{f.name}" if path else f.name
+        rule = f.metadata.get("rule")
+        if rule is not None and rule.mirror_of:
+            out.append((key_path, rule.mirror_of))
+        sub_type = _field_type(schema, f)
+        if dataclasses.is_dataclass(sub_type):
+            out.extend(mirror_fields(sub_type, key_path))
+    return tuple(out)
+
+
+def _mirror_above(schema: type, key_path: str) -> tuple[str, str] | None:
+    """``(mirror path, source path)`` when ``key_path`` is a mirror field or a key under one."""
+    for mirror, source in mirror_fields(schema):
+        if key_path == mirror or key_path.startswith(mirror + "."):
+            return mirror, source
+    return None
+
+
+def _override_text(value: Any) -> str:
+    """``value`` as written after ``key=`` on the command line."""
+    return value if isinstance(value, str) and value and value.strip() == value else show_value(value)
+
+
+def mirror_message(schema: type, key_path: str, value: Any = dataclasses.MISSING, *,
+                   written_out: bool = False) -> str | None:
+    """Why ``key_path`` (a mirror field or a key under it) cannot be set, and the key of the source to set instead;
+    None when ``key_path`` is not under a mirror field. ``written_out``: the config holds a whole resolved copy (a
+    run's ``resolved_config.yaml``), which an override can link back to its section."""
+    found = _mirror_above(schema, key_path)
+    if found is None:
+        return None
+    mirror, source = found
+    shown = "" if value is dataclasses.MISSING else f" = {show_value(value)}"
+    head = (f"`{key_path}`{shown} is refused: `{mirror}` is a read-only copy of `{source}` (it follows that "
+            f"section, which is what the learner reads)")
+    rest = key_path[len(mirror):]
+    if not rest:
+        return f"{head}; leave it out and set the keys under `{source}` instead."
+    target = source + rest
+    parent, _, key = target.rpartition(".")
+    section = schema_at(schema, parent)
+    if section is not None and key not in _dataclass_fields(section):
+        return f"{head}; and {unknown_key_message(target, section)}"
+    if written_out:
+        return (f"{head}, but a config file holds it written out (as a run's resolved_config.yaml does) and it no "
+                f"longer matches `{target}`; link it back with `'{mirror}=${{{source}}}'`, or delete it from the file.")
+    value_text = "<value>" if value is dataclasses.MISSING else _override_text(value)
+    return f"{head}; set `{target}={value_text}` instead (no `+`)."
+
+
+def check_mirrors(cfg: DictConfig, schema: type) -> None:
+    """Refuse a mirror field (``mirror_of``) that no longer equals its section: set to another value, or a key
+    added or changed under it (``+a.mirror.key=v`` replaces the interpolation by a mapping of that key alone).
+    A complete copy equal to the section (what a run's ``resolved_config.yaml`` holds) is accepted."""
+    for mirror, source in mirror_fields(schema):
+        parent, _, key = mirror.rpartition(".")
+        holder = OmegaConf.select(cfg, parent) if parent else cfg
+        if not isinstance(holder, DictConfig) or key not in holder:
+            continue
+        node = holder._get_node(key)
+        if node._is_interpolation() and node._value() == "${" + source + "}":
+            continue
+        try:
+            mine = OmegaConf.select(cfg, mirror)
+            mine = OmegaConf.to_container(mine, resolve=True) if isinstance(mine, DictConfig) else mine
+            theirs = OmegaConf.to_container(OmegaConf.select(cfg, source), resolve=True)
+        except OmegaConfBaseException:
+            mine, theirs = node._value(), None
+        if mine == theirs:
+            continue
+        if isinstance(mine, dict) and mine:
+            differs = [k for k in mine if not isinstance(theirs, dict) or mine[k] != theirs.get(k)]
+            first = (differs or list(mine))[0]
+            written_out = isinstance(theirs, dict) and set(mine) == set(theirs)
+            raise ConfigError(mirror_message(schema, f"{mirror}.{first}", mine[first], written_out=written_out))
+        raise ConfigError(mirror_message(schema, mirror, mine))
+
+
 def to_validated_object(cfg: DictConfig, schema: type):
-    """Unknown keys → types → rules. Returns the typed dataclass instance."""
+    """Unknown keys → read-only copies → types → rules. Returns the typed dataclass instance."""
     check_unknown_keys(cfg, schema)
+    if isinstance(cfg, DictConfig):
+        check_mirrors(cfg, schema)
     try:
         # A config composed by the loader is already typed by the schema; merging it into a fresh
         # structured copy again would only cost time.

@@ -624,6 +624,36 @@ REFUSALS = [
     ("sync", ["actor_rollout_ref.rollout.val_kwargs.pipeline.num_frames=4"],
      "`actor_rollout_ref.rollout.val_kwargs.pipeline.num_frames` = 4 is refused: video generation is not built yet; "
      "leave it at its default (1)."),
+    ("sync", ["buffer.priority_exponent=2.0"],
+     "`buffer.priority_exponent` = 2.0 is refused with `buffer.sampler` = 'fifo': only the prioritized sampler reads "
+     "the priority exponent; leave it at its default (0.6), or use `buffer.sampler=prioritized` (without a custom "
+     "sampler, and without 'exponent' in `trainer.v1.sampler.sampler_kwargs`)."),
+    ("separate_async", ["trainer.v1.sampler.max_off_policy_strategy=drop", "buffer.sampler=prioritized",
+                        "+trainer.v1.sampler.sampler_kwargs.exponent=1.0", "buffer.priority_exponent=2.0"],
+     "`buffer.priority_exponent` = 2.0 is refused while `trainer.v1.sampler.sampler_kwargs` sets 'exponent' (it "
+     "wins): only the prioritized sampler reads the priority exponent"),
+    ("separate_async", ["buffer.freshness_decay=0.9"],
+     "`buffer.freshness_decay` = 0.9 is refused with `buffer.sampler` = 'fifo': only the freshness sampler reads the "
+     "per-lag decay; leave it at its default (0.5), or use `buffer.sampler=freshness`"),
+    ("separate_async", ["trainer.v1.sampler.max_off_policy_strategy=drop", "buffer.sampler=freshness",
+                        "trainer.v1.sampler.custom_sampler.path=/x.py", "trainer.v1.sampler.custom_sampler.name=S",
+                        "buffer.freshness_decay=0.9"],
+     "`buffer.freshness_decay` = 0.9 is refused while `trainer.v1.sampler.custom_sampler` is set (a custom sampler "
+     "gets only `sampler_kwargs`): only the freshness sampler reads the per-lag decay"),
+    ("sync", ["buffer.samples_per_insert_error_buffer=3"],
+     "`buffer.samples_per_insert_error_buffer` = 3 is refused while `buffer.samples_per_insert` is null (no rate "
+     "limiter): the slack belongs to the samples-per-insert rate limiter, which is off; leave it at its default "
+     "(null), or set `buffer.samples_per_insert`."),
+    ("sync", ["actor_rollout_ref.actor.optim.total_training_steps=100"],
+     "`actor_rollout_ref.actor.optim.total_training_steps` = 100 is refused with "
+     "`actor_rollout_ref.actor.optim.lr_scheduler_type` = 'constant': only the cosine schedule has a horizon; the "
+     "run's length is `trainer.total_training_steps`; leave it at its default (null), or set "
+     "`actor_rollout_ref.actor.optim.lr_scheduler_type=cosine`; to stop the run after N updates set "
+     "`trainer.total_training_steps=N`."),
+    ("separate_async", ["trainer.rollout_data_max_samples=5"],
+     "`trainer.rollout_data_max_samples` = 5 is refused while `trainer.rollout_data_save_freq` = 0 (no dump): rollout "
+     "samples are dumped only with `trainer.rollout_data_save_freq` > 0; leave it at its default (16), or set "
+     "`trainer.rollout_data_save_freq` > 0 (dump every N steps)."),
 ]
 
 
@@ -674,6 +704,14 @@ ACCEPTED = [
     ("sync", ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01"]),
     ("separate_async", ["actor_rollout_ref.model.algorithm=mix_grpo", "actor_rollout_ref.actor.use_kl_loss=true"]),
     ("sync", ["transfer_queue.num_data_storage_units=3", "transfer_queue.put_timeout_s=30"]),
+    ("sync", ["buffer.sampler=prioritized", "buffer.priority_exponent=2.0"]),
+    ("separate_async", ["trainer.v1.sampler.max_off_policy_strategy=drop", "buffer.sampler=freshness",
+                        "buffer.freshness_decay=0.9"]),
+    ("separate_async", ["trainer.v1.sampler.max_off_policy_strategy=drop", "buffer.samples_per_insert=0.5",
+                        "buffer.samples_per_insert_error_buffer=3", "buffer.max_times_sampled=2"]),
+    ("sync", ["actor_rollout_ref.actor.optim.lr_scheduler_type=cosine",
+              "actor_rollout_ref.actor.optim.total_training_steps=100"]),
+    ("sync", ["trainer.rollout_data_save_freq=2", "trainer.rollout_data_max_samples=5"]),
 ]
 
 
