@@ -161,8 +161,9 @@ def cmd_eval(args) -> int:
     print(f"\n{who}: {len(res.prompts)} images of {len(prompts)} prompts")
     for key, value in res.metrics.items():
         print(f"  {key:<34} {value:.4f}")
-    if res.failure_note():
-        print(f"omnirl-async: warning: {res.failure_note()}", file=sys.stderr)
+    note = res.failure_note()
+    if note:
+        print(f"omnirl-async: warning: {note}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     strict_key = next((k for k in res.extra if k.endswith("strict")), None)
     marks = res.extra[strict_key][: args.grid] > 0.5 if strict_key else None

@@ -320,10 +320,9 @@ class PendingUpdate:
         return True
 
     def _failed(self, ref) -> bool:
+        """Whether ``ref`` (ready, not yet seen to be a value) holds an error; a value is remembered."""
         import ray
 
-        if ref in self._ok:
-            return False
         try:
             ray.get(ref, timeout=0)
         except ray.exceptions.RayError:

@@ -97,32 +97,32 @@ def _post(scheme: str, host: str, port: int | None, path: str, body: bytes, time
     conn_cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
     conn = conn_cls(host, port, timeout=timeout)
     try:
-        return _exchange(conn, path, body, headers, deadline, timeout)
+        return _exchange(conn, path, body, headers, deadline)
     except TimeoutError:  # the socket's own, or the deadline's: one message
         raise TimeoutError(f"no complete answer within {timeout:g} s") from None
     finally:
         conn.close()
 
 
-def _exchange(conn, path: str, body: bytes, headers: dict[str, str], deadline: float,
-              timeout: float) -> tuple[int, bytes]:
+def _exchange(conn, path: str, body: bytes, headers: dict[str, str], deadline: float) -> tuple[int, bytes]:
     conn.request("POST", path, body=body, headers={"Content-Type": CONTENT_TYPE, **headers})
-    _time_left(conn, deadline, timeout)
+    _time_left(conn, deadline)
     resp = conn.getresponse()
     chunks = []
     while True:  # read1: at most one read of the socket each, so the deadline is checked between them
-        _time_left(conn, deadline, timeout)
+        _time_left(conn, deadline)
         chunk = resp.read1(1 << 16)
         if not chunk:
             return resp.status, b"".join(chunks)
         chunks.append(chunk)
 
 
-def _time_left(conn, deadline: float, timeout: float) -> None:
-    """The socket's timeout cut to what is left of the attempt; none left: ``TimeoutError`` (retried)."""
+def _time_left(conn, deadline: float) -> None:
+    """The socket's timeout cut to what is left of the attempt; none left: ``TimeoutError`` (:func:`_post` words
+    it; retried)."""
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError(f"no complete answer within {timeout:g} s")
+        raise TimeoutError
     if conn.sock is not None:
         conn.sock.settimeout(left)
 

@@ -94,8 +94,7 @@ class FailureMonitor:
     def check_run(self) -> None:
         """At the end of a run that scored fewer samples than the window: the same limit, over all of them (a short
         run whose reward always failed would otherwise end as if it had trained)."""
-        failed = self.last_failed - self.base_failed
-        total = failed + self.last_ok - self.base_ok
+        failed, total = self._run_totals()
         if self.max_frac < 1.0 and 0 < total < self.window and failed > self.max_frac * total:
             raise RewardFailureError(self.explain(
                 failed, total, f"the {total} samples this run scored (fewer than `reward.failed_frac_window` = "
@@ -112,8 +111,12 @@ class FailureMonitor:
                      "(1 = never stop) / `reward.timeout_s` if it is only slow.")
         return "\n".join(lines)
 
+    def _run_totals(self) -> tuple[int, int]:
+        """(failed, scored) samples of this run (a restored buffer's earlier counts left out)."""
+        failed = self.last_failed - self.base_failed
+        return failed, failed + self.last_ok - self.base_ok
+
     def summary(self) -> dict[str, Any]:
-        total_failed = self.last_failed - self.base_failed
-        total = total_failed + self.last_ok - self.base_ok
+        total_failed, total = self._run_totals()
         return {"reward_failed": total_failed, "reward_scored": total,
                 "reward_failed_kinds": dict(self.kinds)}
